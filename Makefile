@@ -1,0 +1,42 @@
+# Everything runs from a local virtual environment (.venv) that `make setup` builds.
+# torch comes first and pinned: the CPU wheel (a bare `torch` would pull CUDA).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH_VERSION ?= 2.13.0
+# the Triton release on our GPU host, so CPU compile checks see the same compiler
+TRITON_VERSION ?= 3.6.0
+
+.PHONY: setup demo test test-unit test-conformance lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q triton==$(TRITON_VERSION) -e ".[dev,triton,jax]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# List the backends, then run a mixed batch through the default backend vs the reference.
+demo: $(STAMP)
+	$(VENV)/bin/pagedkv backends
+	$(VENV)/bin/pagedkv demo
+
+# The whole CPU suite: unit tests, then conformance (quick level) of every backend
+# that runs on a CPU (Triton under its interpreter, Pallas in interpret mode).
+test: $(STAMP) lint test-unit test-conformance
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-conformance: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
+		--backend torch
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,119 @@
+"""The torch backend's metadata builder and attention: gather each request's blocks,
+then masked softmax attention in fp32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
+from pagedkv.kv_write import dequantize_from_cache, write_rows_by_slot
+from pagedkv.metadata import CommonAttentionMetadata
+
+# Scores of one query chunk stay under this many fp32 elements (~256 MiB).
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class TorchMetadata:
+    common: CommonAttentionMetadata
+    query_starts: list[int]  # [B+1] host copy of query_start_loc
+    seq_lens: list[int]  # [B] host copy
+
+
+class TorchMetadataBuilder(AttentionMetadataBuilder[TorchMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> TorchMetadata:
+        return TorchMetadata(
+            common, common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist()
+        )
+
+
+class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+    ) -> None:
+        slots = metadata.common.slot_mapping
+        write_rows_by_slot(key, kv_cache[0], slots, self.spec.k_scale)
+        write_rows_by_slot(value, kv_cache[1], slots, self.spec.v_scale)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        common = metadata.common
+        self.check_forward_args(query, key, value, common.num_tokens, output)
+        if key is not None:
+            self.write_kv(key, value, kv_cache, metadata)
+        out = self.new_output(query, output)
+        out[common.num_actual_tokens :] = 0
+        for i, seq_len in enumerate(metadata.seq_lens):
+            q_start, q_end = metadata.query_starts[i], metadata.query_starts[i + 1]
+            if q_end > q_start:
+                k, v = self._gather(kv_cache, common.block_table[i], seq_len)
+                self._attend(query[q_start:q_end], k, v, seq_len, out[q_start:q_end])
+        return out
+
+    def _gather(
+        self, kv_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This request's K and V as dense fp32 [seq_len, num_kv_heads, head_size]."""
+        num_blocks = -(-seq_len // kv_cache.shape[2])
+        ids = table_row[:num_blocks].long()
+        k = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len]
+        v = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len]
+        return dequantize_from_cache(k, self.spec.k_scale), dequantize_from_cache(
+            v, self.spec.v_scale
+        )
+
+    def _attend(
+        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, out: torch.Tensor
+    ) -> None:
+        s = self.spec
+        q_len, hkv, group = query.shape[0], s.num_kv_heads, s.num_queries_per_kv
+        device = query.device
+        k_pos = torch.arange(seq_len, device=device)
+        slopes = sinks = None
+        if s.alibi_slopes is not None:
+            slopes = torch.tensor(s.alibi_slopes, device=device).view(hkv, group, 1, 1)
+        if self.sinks is not None:
+            sinks = self.sinks.to(device).view(hkv, group, 1, 1)
+        chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, s.num_heads * seq_len))
+        for c0 in range(0, q_len, chunk):
+            c1 = min(q_len, c0 + chunk)
+            q = query[c0:c1].float().view(c1 - c0, hkv, group, s.head_size)
+            # [kv_head, group, query, key]
+            scores = torch.einsum("qkgd,skd->kgqs", q, k) * s.scale
+            if s.logits_soft_cap is not None:
+                scores = torch.tanh(scores / s.logits_soft_cap) * s.logits_soft_cap
+            q_pos = torch.arange(seq_len - q_len + c0, seq_len - q_len + c1, device=device)[:, None]
+            visible = torch.ones(c1 - c0, seq_len, dtype=torch.bool, device=device)
+            if s.causal:
+                visible &= k_pos[None] <= q_pos
+            if s.sliding_window is not None:
+                visible &= (q_pos - k_pos[None]) < s.sliding_window
+                if not s.causal:
+                    visible &= (k_pos[None] - q_pos) < s.sliding_window
+            if slopes is not None:
+                scores += slopes * (k_pos[None] - q_pos).float()
+            scores.masked_fill_(~visible, float("-inf"))
+            row_max = scores.amax(dim=-1, keepdim=True)
+            if sinks is not None:
+                row_max = torch.maximum(row_max, sinks)
+            row_max = row_max.clamp_min(torch.finfo(torch.float32).min)
+            probs = torch.exp(scores - row_max)
+            denom = probs.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                denom += torch.exp(sinks - row_max)
+            result = torch.einsum("kgqs,skd->qkgd", probs, v) / denom.permute(2, 0, 1, 3).clamp_min(
+                1e-30
+            )
+            out[c0:c1] = result.reshape(c1 - c0, s.num_heads, s.head_size_v).to(out.dtype)

@@ -1,0 +1,37 @@
+"""The pagedkv conformance harness: proof that a backend computes the same attention
+as the float64 reference from the same block tables (docs/conformance.md)."""
+
+from __future__ import annotations
+
+import torch
+from pagedkv.conformance.check import (
+    TOLERANCES,
+    ScenarioResult,
+    Tolerance,
+    compare_outputs,
+    run_scenario,
+)
+from pagedkv.conformance.scenario import Scenario
+
+__all__ = [
+    "TOLERANCES",
+    "Scenario",
+    "ScenarioResult",
+    "Tolerance",
+    "compare_outputs",
+    "reproduce",
+    "run_scenario",
+]
+
+
+def reproduce(backend: str, scenario: Scenario, device: str | None = None) -> ScenarioResult:
+    """Run one scenario against a registered backend and print the verdict."""
+    from pagedkv.registry import get_registry
+    from pagedkv.selection import parse_config
+
+    choice = parse_config(backend)[0]
+    impl = get_registry().create(choice.name, **choice.options)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    result = run_scenario(impl, scenario, device, backend_label=backend)
+    print(result.report())
+    return result

@@ -1,0 +1,6 @@
+import pagedkv
+
+
+@pagedkv.hookimpl
+def pagedkv_backends():
+    raise RuntimeError("vendor runtime not initialised")
