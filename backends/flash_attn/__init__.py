@@ -1,0 +1,1 @@
+"""FlashAttention paged attention (in progress)."""

@@ -1,0 +1,1 @@
+"""FlashInfer paged attention (in progress)."""

@@ -1,0 +1,1 @@
+"""Multi-head latent attention (in progress)."""

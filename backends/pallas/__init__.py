@@ -1,0 +1,1 @@
+"""JAX Pallas paged attention (in progress)."""

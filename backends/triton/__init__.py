@@ -1,0 +1,1 @@
+"""Triton paged attention (in progress)."""

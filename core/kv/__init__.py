@@ -1,0 +1,1 @@
+"""The memory side of PagedAttention (in progress)."""
