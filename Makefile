@@ -33,7 +33,7 @@ test-unit: $(STAMP)
 
 test-conformance: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
-		--backend torch
+		--backend torch --backend triton --backend pallas --backend mla
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,9 @@
 """The pagedkv conformance harness: proof that a backend computes the same attention
-as the float64 reference from the same block tables (docs/conformance.md)."""
+as the float64 reference from the same block tables (docs/conformance.md).
+
+Run it with ``pytest --pyargs pagedkv.conformance --backend NAME`` (the pytest
+plugin is ``pagedkv.conformance.plugin``) or ``pagedkv conform``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pagedkv.conformance.check import (
     compare_outputs,
     run_scenario,
 )
+from pagedkv.conformance.design import design_scenarios
 from pagedkv.conformance.scenario import Scenario
 
 __all__ = [
@@ -19,6 +24,7 @@ __all__ = [
     "ScenarioResult",
     "Tolerance",
     "compare_outputs",
+    "design_scenarios",
     "reproduce",
     "run_scenario",
 ]

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.conformance.cache import cache_problems
 from pagedkv.conformance.problem import (
-    GARBAGE,
     PagedProblem,
     build_problem,
     poison_cache,
     reference_output,
 )
 from pagedkv.conformance.scenario import Scenario
-from pagedkv.kv_write import dequantize_from_cache, quantize_for_cache
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class ScenarioResult:
     max_rel_error: float = math.nan
     failures: list[str] = field(default_factory=list)
     output: torch.Tensor | None = None  # [num_actual_tokens, Hq, Dv] float64 (MLA: up-projected)
+    device: str = "cpu"
+    duration_s: float = 0.0
+    error: str | None = None  # the traceback when a backend call raised
 
     @property
     def passed(self) -> bool:
@@ -56,11 +65,33 @@ class ScenarioResult:
         ]
         lines += [f"  - {f}" for f in self.failures]
         if not self.passed:
-            lines.append(
-                '  reproduce: python -c "import torch; from pagedkv.conformance import Scenario, reproduce; '
-                f"reproduce('{self.backend}', {self.scenario.repro()})\""
-            )
+            lines.append(f"  reproduce: {self.reproduction()}")
+        if self.error:
+            lines.append("  " + self.error.rstrip().replace("\n", "\n  "))
         return "\n".join(lines)
+
+    def reproduction(self) -> str:
+        """One shell line that reruns this scenario alone and prints the verdict."""
+        device = "" if self.device == "cpu" else f", device={self.device!r}"
+        return (
+            'python -c "import torch; from pagedkv.conformance import Scenario, reproduce; '
+            f'reproduce({self.backend!r}, {self.scenario.repro()}{device})"'
+        )
+
+
+class _BackendRaised(Exception):
+    """A backend call raised (already a failure line of the result): stop this scenario."""
+
+
+def _call(result: ScenarioResult, stage: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        result.failures.append(f"{stage} raised {type(exc).__name__}: {exc}{where}")
+        result.error = "".join(traceback.format_exception(exc)[-6:])
+        raise _BackendRaised from exc
 
 
 def run_scenario(
@@ -71,38 +102,70 @@ def run_scenario(
     backend_label: str | None = None,
 ) -> ScenarioResult:
     """Build, write, attend and check one scenario. Never raises for a backend bug:
-    every problem becomes a line in ``failures``."""
-    result = ScenarioResult(backend_label or repr(backend), scenario)
+    every problem (an exception from a backend call included) becomes a line in
+    ``failures``."""
+    result = ScenarioResult(backend_label or repr(backend), scenario, device=str(device))
+    start = time.perf_counter()
     problem = build_problem(scenario, device)
-    spec = problem.spec
     problem.common.validate(problem.num_blocks)
+    with contextlib.suppress(_BackendRaised):  # already recorded as a failure
+        _run(result, backend, problem, device)
+    result.duration_s = time.perf_counter() - start
+    return result
 
-    kv_cache = backend.allocate_kv_cache(problem.num_blocks, spec, device)
-    expected_shape = backend.get_kv_cache_shape(
-        problem.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+
+def _run(
+    result: ScenarioResult,
+    backend: AttentionBackend,
+    problem: PagedProblem,
+    device: torch.device | str,
+) -> None:
+    spec = problem.spec
+    kv_cache = _call(
+        result,
+        "allocate_kv_cache",
+        lambda: backend.allocate_kv_cache(problem.num_blocks, spec, device),
+    )
+    expected_shape = _call(
+        result,
+        "get_kv_cache_shape",
+        lambda: backend.get_kv_cache_shape(
+            problem.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        ),
     )
     if tuple(kv_cache.shape) != tuple(expected_shape):
         result.failures.append(
             f"allocate_kv_cache shape {tuple(kv_cache.shape)} != get_kv_cache_shape {expected_shape}"
         )
-        return result
-    poison_cache(backend, kv_cache, problem)
-    builder = backend.make_builder(spec, device)
-    impl = backend.make_impl(spec, sinks=problem.sinks)
+        return
+    _call(result, "kv_cache_to_logical", lambda: poison_cache(backend, kv_cache, problem))
+    builder = _call(result, "make_builder", lambda: backend.make_builder(spec, device))
+    impl = _call(result, "make_impl", lambda: backend.make_impl(spec, sinks=problem.sinks))
 
     # context: written through the backend's own writer
     if problem.context.num_actual_tokens:
         ctx_key, ctx_value = _context_rows(problem)
-        impl.write_kv(ctx_key, ctx_value, kv_cache, builder.build(problem.context))
+        ctx_metadata = _call(result, "build (context)", lambda: builder.build(problem.context))
+        _call(
+            result,
+            "write_kv (context)",
+            lambda: impl.write_kv(ctx_key, ctx_value, kv_cache, ctx_metadata),
+        )
 
-    metadata = builder.build(problem.common)
-    output = impl.forward(problem.query, problem.new_key, problem.new_value, kv_cache, metadata)
-    if device != "cpu" and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    metadata = _call(result, "build", lambda: builder.build(problem.common))
+    output = _call(
+        result,
+        "forward",
+        lambda: impl.forward(problem.query, problem.new_key, problem.new_value, kv_cache, metadata),
+    )
+    if torch.device(device).type == "cuda":
+        _call(result, "forward (kernel)", lambda: torch.cuda.synchronize(device))
 
     _check_output(result, problem, output)
-    _check_cache(result, backend, kv_cache, problem)
-    return result
+    views = _call(
+        result, "kv_cache_to_logical", lambda: backend.kv_cache_to_logical(kv_cache, spec)
+    )
+    result.failures += cache_problems(views, problem)
 
 
 def _context_rows(problem: PagedProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,6 +185,9 @@ def _context_rows(problem: PagedProblem) -> tuple[torch.Tensor, torch.Tensor | N
     return key, value
 
 
+# -- output -----------------------------------------------------------------------------
+
+
 def _check_output(result: ScenarioResult, problem: PagedProblem, output: torch.Tensor) -> None:
     spec, scenario = problem.spec, problem.scenario
     n = problem.common.num_actual_tokens
@@ -136,107 +202,76 @@ def _check_output(result: ScenarioResult, problem: PagedProblem, output: torch.T
     if scenario.is_mla:
         actual = torch.einsum("thl,lhv->thv", actual, problem.mla_weights["w_uv"].double())
     result.output = actual
-    if not torch.isfinite(actual).all():
-        bad = torch.nonzero(~torch.isfinite(actual))[0].tolist()
-        result.failures.append(f"non-finite output at {_locate(problem, bad[0], bad[1])}")
-        return
     expected = reference_output(problem)
     tol = TOLERANCES[spec.dtype]
-    err = (actual - expected).abs()
-    result.max_abs_error = float(err.max()) if err.numel() else 0.0
-    result.max_rel_error = (
-        float((err / expected.abs().clamp_min(1e-6)).max()) if err.numel() else 0.0
-    )
+    finite = torch.isfinite(actual)
+    err = (actual - expected).abs().masked_fill(~finite, math.inf)
     excess = err - (tol.atol + tol.rtol * expected.abs())
-    if err.numel() and float(excess.max()) > 0:
-        token, head, dim = (int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+    if not err.numel():
+        result.max_abs_error = result.max_rel_error = 0.0
+        return
+    result.max_abs_error = float(err.max())
+    result.max_rel_error = float((err / expected.abs().clamp_min(1e-6)).max())
+    if not finite.all():
+        token, head = torch.nonzero(~finite)[0, :2].tolist()
+        bad_tokens = (~finite).flatten(1).any(dim=1)
+        result.failures.append(
+            f"non-finite output at {locate(scenario, token, head)}; "
+            f"{int(bad_tokens.sum())} of {n} tokens have non-finite values, in requests "
+            f"{_requests_of(scenario, bad_tokens)}. Every block no request references (the "
+            "null block 0 included) holds NaN, so the kernel read a block the request's "
+            "table does not name, or produced NaN itself"
+        )
+    finite_excess = excess.masked_fill(~finite, -math.inf)
+    if float(finite_excess.max()) > 0:
+        token, head, dim = (
+            int(i) for i in torch.unravel_index(finite_excess.argmax(), excess.shape)
+        )
+        bad = finite_excess > 0
         result.failures.append(
             f"output differs from the float64 reference beyond atol={tol.atol}, rtol={tol.rtol}: "
-            f"largest at {_locate(problem, token, head)}, dim {dim}: got {actual[token, head, dim]:.6g}, "
-            f"expected {expected[token, head, dim]:.6g} (abs error {err[token, head, dim]:.3g}); "
-            f"{int((excess > 0).sum())} of {excess.numel()} elements out of tolerance"
+            f"largest at {locate(scenario, token, head)}, dim {dim}: got "
+            f"{actual[token, head, dim]:.6g}, expected {expected[token, head, dim]:.6g} "
+            f"(abs error {err[token, head, dim]:.3g}); "
+            f"{int(bad.sum())} of {excess.numel()} elements out of tolerance, in "
+            f"requests {_requests_of(scenario, bad.flatten(1).any(dim=1))} and query heads "
+            f"{_compact(torch.nonzero(bad.any(dim=2).any(dim=0)).flatten().tolist())}"
         )
 
 
-def _locate(problem: PagedProblem, token: int, head: int) -> str:
-    starts = problem.common.query_start_loc_cpu.tolist()
-    req = max(i for i in range(len(starts) - 1) if starts[i] <= token) if token < starts[-1] else -1
-    if req < 0:
+def locate(scenario: Scenario, token: int, head: int) -> str:
+    """Request, position and heads of packed query row ``token``, in words."""
+    starts = [0]
+    for q in scenario.query_lens:
+        starts.append(starts[-1] + q)
+    if token >= starts[-1]:
         return f"padding token {token}, head {head}"
-    s, q = problem.scenario.seq_lens[req], problem.scenario.query_lens[req]
+    req = max(i for i in range(len(starts) - 1) if starts[i] <= token)
+    s, q = scenario.seq_lens[req], scenario.query_lens[req]
     pos = s - q + token - starts[req]
-    kv_head = head // problem.spec.num_queries_per_kv
+    kv_heads = 1 if scenario.is_mla else scenario.num_kv_heads
+    kv_head = head // (scenario.num_heads // kv_heads)
     return (
         f"request {req} (seq_len {s}, query_len {q}), token {token} (position {pos}), "
         f"query head {head} (kv head {kv_head})"
     )
 
 
-def _check_cache(
-    result: ScenarioResult, backend: AttentionBackend, kv_cache: torch.Tensor, problem: PagedProblem
-) -> None:
-    """The cache holds exactly the written K/V at their slots; nothing else changed."""
-    spec = problem.spec
-    k_view, v_view = backend.kv_cache_to_logical(kv_cache, spec)
-    views = [("K", k_view, problem.keys, spec.k_scale)]
-    if not problem.scenario.is_mla:  # MLA's V is a view of K's storage
-        views.append(("V", v_view, problem.values, spec.v_scale))
-    bs = spec.block_size
-    referenced = torch.zeros(problem.num_blocks, dtype=torch.bool)
-    for ids in problem.block_ids:
-        referenced[ids] = True
-    for label, view, rows, scale in views:
-        view = view.cpu()
-        for req, (ids, full) in enumerate(zip(problem.block_ids, rows, strict=True)):
-            seq_len = full.shape[0]
-            if not ids:
-                continue
-            stored = view[torch.tensor(ids)].flatten(0, 1)  # [num_blocks * bs, H, D]
-            want = quantize_for_cache(full, view.dtype, scale)
-            got = stored[:seq_len]
-            if not _same_cache_values(got, want, scale):
-                diff = _first_mismatch(got, want, scale)
-                block = ids[diff // bs]
-                result.failures.append(
-                    f"cache {label} of request {req}, position {diff} (block {block}, offset {diff % bs}): "
-                    "does not hold the written value (write_kv wrote the wrong slot or value)"
-                )
-                break
-            tail = stored[seq_len:].float()
-            garbage = float(torch.tensor(GARBAGE).to(view.dtype).float())  # as this dtype stores it
-            if tail.numel() and not bool((tail == garbage).all()):
-                pos = seq_len + int(torch.nonzero((tail != garbage).flatten(1).any(dim=1))[0, 0])
-                result.failures.append(
-                    f"cache {label} of request {req}: slot past the sequence end (position {pos}, "
-                    f"block {ids[pos // bs]}, offset {pos % bs}) was overwritten"
-                )
-                break
-        untouched = view[~referenced].float()
-        if untouched.numel() and not bool(torch.isnan(untouched).all()):
-            first = int(torch.nonzero(~torch.isnan(untouched.flatten(1)).all(dim=1))[0])
-            block = int(torch.nonzero(~referenced)[first])
-            what = (
-                "block 0 (the null block)"
-                if block == 0
-                else f"block {block}, which no request references,"
-            )
-            result.failures.append(
-                f"cache {label}: {what} was written (e.g. a -1 padding slot or a wrong slot)"
-            )
+def _requests_of(scenario: Scenario, bad_tokens: torch.Tensor) -> str:
+    reqs, start = [], 0
+    for i, q in enumerate(scenario.query_lens):
+        if q and bool(bad_tokens[start : start + q].any()):
+            reqs.append(i)
+        start += q
+    return _compact(reqs)
 
 
-def _same_cache_values(got: torch.Tensor, want: torch.Tensor, scale: float) -> bool:
-    if got.dtype.itemsize == 1:
-        # fp8 rounding may differ by one step between implementations
-        a, b = dequantize_from_cache(got, scale), dequantize_from_cache(want, scale)
-        return bool(((a - b).abs() <= 0.126 * b.abs() + 1e-6 * scale).all())
-    return torch.equal(got, want)
+def _compact(items: list[int], limit: int = 12) -> str:
+    text = ", ".join(map(str, items[:limit]))
+    return f"[{text}{', ...' if len(items) > limit else ''}] ({len(items)})"
 
 
-def _first_mismatch(got: torch.Tensor, want: torch.Tensor, scale: float) -> int:
-    a, b = dequantize_from_cache(got, scale), dequantize_from_cache(want, scale)
-    bad = ~((a - b).abs() <= 0.126 * b.abs() + 1e-6 * scale)
-    return int(torch.nonzero(bad.flatten(1).any(dim=1))[0])
+# -- backend against backend ------------------------------------------------------------
 
 
 def compare_outputs(a: ScenarioResult, b: ScenarioResult) -> list[str]:
@@ -249,9 +284,10 @@ def compare_outputs(a: ScenarioResult, b: ScenarioResult) -> list[str]:
     err = (a.output - b.output).abs()
     limit = 2 * (tol.atol + tol.rtol * b.output.abs())
     if err.numel() and bool((err > limit).any()):
-        i = int((err - limit).argmax())
-        idx = torch.unravel_index(torch.tensor(i), err.shape)
+        token, head, dim = (int(i) for i in torch.unravel_index((err - limit).argmax(), err.shape))
         return [
-            f"{a.backend} and {b.backend} differ by {float(err.max()):.3g} at token/head/dim {tuple(int(x) for x in idx)}"
+            f"{a.backend} and {b.backend} differ by up to {float(err.max()):.3g} (beyond twice "
+            f"the reference tolerance); largest excess at {locate(a.scenario, token, head)}, "
+            f"dim {dim}: {a.output[token, head, dim]:.6g} vs {b.output[token, head, dim]:.6g}"
         ]
     return []

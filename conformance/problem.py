@@ -9,6 +9,7 @@ written through the backend's own ``write_kv`` and the step's new K/V go through
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +54,14 @@ def build_problem(scenario: Scenario, device: torch.device | str) -> PagedProble
     gen = torch.Generator().manual_seed(scenario.seed)
     bs = spec.block_size
     needed = [-(-s // bs) for s in scenario.seq_lens]
-    num_blocks = max(scenario.min_num_blocks, 1 + sum(needed) + max(4, sum(needed) // 4))
-    # block 0 is the null block; the rest are handed out in shuffled order
-    shuffled = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    natural = 1 + sum(needed) + max(4, sum(needed) // 4)
+    num_blocks = max(scenario.min_num_blocks, natural)
+    # block 0 is the null block; the rest are handed out in shuffled order. A pool
+    # enlarged by min_num_blocks hands out its highest blocks, so offsets reach the
+    # end of the pool (where 32-bit offset arithmetic overflows).
+    first = num_blocks - natural + 1
+    shuffled = (torch.randperm(natural - 1, generator=gen) + first).tolist()
+    _separate_neighbours(shuffled, needed, random.Random(scenario.seed))
     block_ids, taken = [], 0
     for n in needed:
         block_ids.append(shuffled[taken : taken + n])
@@ -123,6 +129,24 @@ def build_problem(scenario: Scenario, device: torch.device | str) -> PagedProble
     )
 
 
+def _separate_neighbours(order: list[int], needed: list[int], rng: random.Random) -> None:
+    """Swap blocks (in place) until no request holds physical block b then b + 1, so a
+    kernel that assumes a request's blocks are contiguous always fails; tiny pools
+    may leave a pair after the bounded number of passes."""
+    owner = [r for r, n in enumerate(needed) for _ in range(n)]
+    for _ in range(100):
+        bad = [
+            k
+            for k in range(1, len(owner))
+            if owner[k] == owner[k - 1] and order[k] == order[k - 1] + 1
+        ]
+        if not bad:
+            return
+        for k in bad:
+            j = rng.randrange(len(order))
+            order[k], order[j] = order[j], order[k]
+
+
 def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
 
@@ -175,24 +199,24 @@ def reference_output(problem: PagedProblem) -> torch.Tensor:
     """Float64 [num_actual_tokens, Hq, Dv] from the logical K/V, no block tables."""
     s, spec = problem.scenario, problem.spec
     n = problem.common.num_actual_tokens
+    query_lens = list(s.query_lens)
     keys = [real_kv(problem, k, spec.k_scale) for k in problem.keys]
     if s.is_mla:
         # the un-absorbed math: up-project the latent per head, plain attention
         w = problem.mla_weights
         lora = spec.kv_lora_rank
-        latent_out = reference_mla(
+        return reference_mla(
             w["q_nope"][:n],
             w["q_pe"][:n],
             [k[:, 0, :lora] for k in keys],
             [k[:, 0, lora:] for k in keys],
             w["w_uk"],
             w["w_uv"],
-            s.query_lens,
+            query_lens,
             spec.scale,
             spec.causal,
         )
-        return latent_out
     values = [real_kv(problem, v, spec.v_scale) for v in problem.values]
     return reference_attention(
-        problem.query[:n].cpu(), keys, values, s.query_lens, spec, problem.sinks
+        problem.query[:n].cpu(), keys, values, query_lens, spec, problem.sinks
     )

@@ -36,6 +36,9 @@ class Scenario:
     alibi: bool = False
     use_sinks: bool = False
     causal: bool = True
+    # None: head_size ** -0.5 (MLA: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5). Set
+    # to check that a backend uses spec.scale rather than deriving its own.
+    scale: float | None = None
     num_padding_tokens: int = 0  # extra rows with slot -1 after the scheduled tokens
     min_num_blocks: int = 0  # pool size floor (e.g. > 32k blocks for 64-bit offsets)
     kv_lora_rank: int | None = None
@@ -69,7 +72,7 @@ class Scenario:
                 head_size=self.kv_lora_rank + self.qk_rope_head_dim,
                 dtype=self.dtype,
                 block_size=self.block_size,
-                scale=(self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5,
+                scale=self.scale or (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5,
                 kv_cache_dtype=self.kv_cache_dtype,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
@@ -83,6 +86,7 @@ class Scenario:
             head_size=self.head_size,
             dtype=self.dtype,
             block_size=self.block_size,
+            scale=self.scale,
             kv_cache_dtype=self.kv_cache_dtype,
             k_scale=self.k_scale,
             v_scale=self.v_scale,

@@ -60,3 +60,20 @@ class DuplicateBackendError(PagedKVError, RuntimeError):
 
 class OutOfBlocksError(PagedKVError, ValueError):
     """The block pool cannot hand out as many blocks as asked."""
+
+
+class KVCacheUsageError(PagedKVError, ValueError):
+    """A call into the KV-cache manager or block pool breaks its contract (a negative
+    count, more tokens than max_model_len, a request in the wrong state)."""
+
+
+class UnknownRequestError(KVCacheUsageError):
+    """The KV-cache manager holds no blocks for this request id."""
+
+
+class DoubleFreeError(KVCacheUsageError):
+    """A request or block was freed when it held no reference (freed twice)."""
+
+
+class TraceFormatError(PagedKVError, ValueError):
+    """A request-trace file is malformed; the message names the file, line and field."""

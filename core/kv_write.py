@@ -1,11 +1,16 @@
 """Writing new K/V rows into any layout's logical view, by slot mapping.
 
-The portable path used by every backend that has no write kernel of its own. It
-syncs the host (a boolean mask over the slots), so it is neither the fast path nor
-CUDA-graph capturable; kernel backends bring their own writer.
+``write_kv_by_slot`` is what backends call: on CUDA it launches the Triton kernel
+of ``pagedkv.triton_kv_write`` (one launch for K and V, no host sync, CUDA-graph
+capturable); elsewhere it falls back to ``write_rows_by_slot``, the portable torch
+path, which syncs the host (a boolean mask over the slots). Both store the same
+bits, including fp8 rounding and saturation (``quantize_for_cache``).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
@@ -49,3 +54,49 @@ def write_rows_by_slot(
         )
     values = quantize_for_cache(rows[:num_slots][token_idx], cache.dtype, scale)
     cache[slots // block_size, slots % block_size] = values
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def write_kv_by_slot(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    use_triton: bool | None = None,
+) -> None:
+    """k_view[slot // B, slot % B] = key[t] (and v_view from value) for each slot >= 0.
+
+    key: [T, H, D]; value: [T, H, Dv], or None when V lives inside K (MLA);
+    k_view / v_view: logical views [num_blocks, B, H, D(v)] of any layout;
+    slot_mapping: [T'] int64 with T' <= T. fp8 views store x / scale, saturated.
+
+    use_triton: None picks the Triton kernel for CUDA tensors (when triton is
+    installed) and the torch path otherwise; True forces the kernel (CPU tensors
+    need TRITON_INTERPRET=1 set before the kernel module is first imported).
+    The kernel skips slots past the pool instead of raising: no host sync.
+    """
+    if use_triton is None:
+        use_triton = key.is_cuda and _triton_installed()
+    if not use_triton:
+        write_rows_by_slot(key, k_view, slot_mapping, k_scale)
+        if value is not None:
+            if v_view is None:
+                raise ValueError("value was given without v_view")
+            write_rows_by_slot(value, v_view, slot_mapping, v_scale)
+        return
+    from pagedkv.triton_kv_write import interpreting, write_kv_triton
+
+    if not key.is_cuda and not interpreting():
+        raise ValueError(
+            f"the Triton KV write needs CUDA tensors (key is on {key.device}), or "
+            "TRITON_INTERPRET=1 set before pagedkv.triton_kv_write is first imported"
+        )
+    write_kv_triton(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton kernels run under the interpreter on a machine without a GPU. The switch is
+# read when a kernel is decorated, so it must be set before any test module imports
+# triton (the compile-only checks run in subprocesses without it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +52,12 @@ def plugin_site(tmp_path_factory):
         name: install_distribution(PLUGINS / name, root / name)
         for name in ("example", "broken", "duplicate")
     }
+
+
+@pytest.fixture(scope="session")
+def broken_backends_site(tmp_path_factory):
+    """A directory holding the deliberately broken backends' distribution, installed
+    (built from a copy, so the build leaves nothing in the source tree)."""
+    source = tmp_path_factory.mktemp("broken-backends-src") / "broken_backends"
+    shutil.copytree(PLUGINS / "broken_backends", source)
+    return install_distribution(source, tmp_path_factory.mktemp("broken-backends-site"))

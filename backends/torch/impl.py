@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
-from pagedkv.kv_write import dequantize_from_cache, write_rows_by_slot
+from pagedkv.kv_write import dequantize_from_cache, write_kv_by_slot
 from pagedkv.metadata import CommonAttentionMetadata
 
 # Scores of one query chunk stay under this many fp32 elements (~256 MiB).
@@ -37,8 +37,7 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         metadata: TorchMetadata,
     ) -> None:
         slots = metadata.common.slot_mapping
-        write_rows_by_slot(key, kv_cache[0], slots, self.spec.k_scale)
-        write_rows_by_slot(value, kv_cache[1], slots, self.spec.v_scale)
+        write_kv_by_slot(key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale)
 
     def forward(
         self,

@@ -1,0 +1,121 @@
+"""Kernel tile configurations and the split-KV policy, as data.
+
+The attention kernel keeps a ``[BLOCK_M, L]`` float32 accumulator in registers and
+the ``[BLOCK_M, L + R]`` query plus ``num_stages`` latent tiles ``[BLOCK_N, L + R]``
+in shared memory, so the right tile depends on the architecture, the element size
+and the padded latent width. ``CONFIGS`` holds the measured choices;
+``benchmarks/mla.py --sweep`` prints the table to update it from (docs/mla.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of the attention kernel."""
+
+    block_m: int  # query rows (token x head pairs) per program; decode: heads per program
+    block_n: int  # latent rows (KV positions) per loop iteration
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the latent loads
+    # rescale the accumulator only when a row max grows by > 2**8; off by default: at
+    # L = 512 with 8 warps it costs ptxas ~230 bytes of spills (docs/mla.md)
+    lazy_rescale: bool = False
+    use_tma: bool = True  # TMA loads where the layout allows (sm_90+, whole tile in one block)
+
+    def __str__(self) -> str:
+        return (
+            f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+            f"{'-lazy' if self.lazy_rescale else ''}{'-tma' if self.use_tma else ''}"
+        )
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How many programs share one tile's KV range (split-KV)."""
+
+    waves: float = 1.0  # aim for this many programs per SM before splitting stops
+    min_kv_per_split: int = 256  # never give a split fewer KV positions than this
+    max_splits: int = 64
+
+
+# (architecture, element bytes of the query dtype, padded kv_lora_rank) -> config.
+# Anything absent falls back to choose_config's sizing rule. "interpret" is the Triton
+# interpreter on a CPU: small tiles, so that the CPU tests cover several tiles per
+# request, several loop iterations and the split-KV reduction.
+CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
+    # Hopper, 16-bit, latent 512 (+ rope 64): 8 warps split the 512-wide accumulator
+    # between two warpgroups (128 registers per thread); BLOCK_N 64 halves the query's
+    # shared-memory reads per FLOP against 32; Q (72 KiB) and two 72 KiB latent stages
+    # fit in shared memory; with TMA loads and the eager rescale ptxas reports no spills
+    # (the lazy one spills ~230 bytes). Sweep: benchmarks/mla.py --sweep (docs/mla.md).
+    ("sm90", 2, 512): KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    ("interpret", 2, 0): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+    ("interpret", 4, 0): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+}
+
+SPLIT_POLICY = SplitPolicy()
+# The interpreter has no SMs; pretend to have a few so that small CPU batches split.
+INTERPRET_NUM_SMS = 8
+
+
+def arch_of(capability: tuple[int, int] | None) -> str:
+    """The CONFIGS key of a device: "interpret" (no GPU), "sm80", "sm90", "sm100", ..."""
+    if capability is None:
+        return "interpret"
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def choose_config(arch: str, elem_bytes: int, l_pad: int, r_pad: int) -> KernelConfig:
+    """The table's entry, else a configuration sized to fit registers and shared memory."""
+    key_width = 0 if arch == "interpret" else l_pad
+    found = CONFIGS.get((arch, elem_bytes, key_width))
+    if found is not None:
+        return found
+    # 128 accumulator registers per thread at most; 64-row tiles use Hopper's wgmma
+    block_m = 64 if elem_bytes == 2 else 32
+    num_warps = max(4, min(8, block_m * l_pad // (128 * 32)))
+    block_m = min(block_m, 128 * 32 * num_warps // l_pad)
+    block_m = max(16, block_m)
+    smem_budget = 200 * 1024
+    q_bytes = block_m * (l_pad + r_pad) * elem_bytes
+    block_n, num_stages = 64, 2
+    while block_n > 16 and q_bytes + num_stages * block_n * (l_pad + r_pad) * elem_bytes > (
+        smem_budget
+    ):
+        block_n //= 2
+    return KernelConfig(block_m, block_n, num_warps, num_stages)
+
+
+def choose_splits(
+    num_tiles: int,
+    max_kv_len: int,
+    block_n: int,
+    num_sms: int,
+    policy: SplitPolicy = SPLIT_POLICY,
+    forced: int | None = None,
+) -> tuple[int, int]:
+    """(num_splits, kv_per_split): split the KV range only while the grid is short of
+    ``policy.waves`` programs per SM (or into ``forced`` parts); kv_per_split is a
+    multiple of block_n, and no split is empty for the longest tile."""
+    if num_tiles == 0 or max_kv_len <= 0:
+        return 1, block_n
+    if forced is not None:
+        splits = max(1, forced)
+    else:
+        want = max(1, math.floor(policy.waves * num_sms / num_tiles))
+        by_length = max(1, _cdiv(max_kv_len, policy.min_kv_per_split))
+        splits = max(1, min(want, by_length, policy.max_splits))
+    kv_per_split = _round_up(_cdiv(max_kv_len, splits), block_n)
+    return _cdiv(max_kv_len, kv_per_split), kv_per_split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b

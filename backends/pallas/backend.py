@@ -1,0 +1,155 @@
+"""The Pallas backend's layout, declared capabilities and availability checks."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
+from pagedkv.capabilities import Capabilities, MultipleOf
+from pagedkv.errors import ConfigError
+from pagedkv.features import Feature
+from pagedkv.spec import AttentionSpec
+
+# Register pressure of one tile (block_m x head_pad fp32 accumulator) bounds the head size.
+MAX_HEAD_SIZE = 256
+
+
+class PallasBackend(AttentionBackend):
+    """A JAX Pallas kernel over the torch-owned cache, reached through DLPack (no copy).
+
+    CPU tensors run in Pallas interpret mode (slow: for tests and CI); CUDA tensors
+    run the Pallas Triton lowering.
+    """
+
+    name = "pallas"
+    priority = 5  # below torch: interpret mode on CPU is slower than plain torch
+    # K of KV head h at index 2h, V at 2h + 1 (the ragged-paged-attention convention)
+    layout = "(num_blocks, block_size, 2 * num_kv_heads, head_size)"
+    block_axis = 0
+    capabilities = Capabilities(
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
+        head_sizes=(MultipleOf(1, maximum=MAX_HEAD_SIZE),),
+        block_sizes=(MultipleOf(1),),
+        features=frozenset(
+            {
+                Feature.SLIDING_WINDOW,
+                Feature.LOGITS_SOFT_CAP,
+                Feature.ALIBI,
+                Feature.SINKS,
+                Feature.NON_CAUSAL,
+                Feature.FP8_KV,
+            }
+        ),
+        devices=frozenset({"cpu", "cuda"}),
+        notes=(
+            "no CUDA graphs: the kernel runs on JAX's stream, outside torch's capture",
+            "head sizes are padded to a power of two (>= 16) inside the kernel",
+        ),
+    )
+    option_specs: ClassVar[Mapping[str, BackendOption]] = {
+        "block_m": BackendOption(
+            0, "Query rows (tokens x grouped heads) per tile, a power of two; 0: auto", kind=int
+        ),
+        "block_n": BackendOption(
+            0, "Keys per inner-loop step, a power of two; 0: auto (64, 32 past head 128)", kind=int
+        ),
+        "num_kv_splits": BackendOption(
+            0, "KV splits per query tile (flash-decoding); 0: auto (1 on CPU)", kind=int
+        ),
+        "num_warps": BackendOption(4, "Triton warps per program (GPU)", kind=int),
+        "num_stages": BackendOption(2, "Triton pipeline stages (GPU)", kind=int),
+    }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        # tl.dot needs every tile dimension >= 16; tiles are powers of two
+        for key in ("block_m", "block_n"):
+            value = int(self.options[key])
+            if value and (value < 16 or value & (value - 1)):
+                raise ConfigError(f"option {key}={value}: expected a power of two >= 16")
+        if int(self.options["num_kv_splits"]) < 0:
+            raise ConfigError(
+                f"option num_kv_splits={self.options['num_kv_splits']}: expected >= 0"
+            )
+        for key in ("num_warps", "num_stages"):
+            if int(self.options[key]) < 1:
+                raise ConfigError(f"option {key}={self.options[key]}: expected >= 1")
+
+    # -- layout -----------------------------------------------------------------------
+
+    def get_kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, 2 * num_kv_heads, head_size)
+
+    def kv_cache_to_logical(
+        self, kv_cache: torch.Tensor, spec: AttentionSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[:, :, 0::2], kv_cache[:, :, 1::2]
+
+    # -- parts ------------------------------------------------------------------------
+
+    def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
+        from pagedkv.backends.pallas.impl import PallasMetadataBuilder
+
+        return PallasMetadataBuilder
+
+    def get_impl_cls(self) -> type[AttentionImpl[Any]]:
+        from pagedkv.backends.pallas.impl import PallasAttentionImpl
+
+        return PallasAttentionImpl
+
+    # -- support ----------------------------------------------------------------------
+
+    def missing_dependency(self) -> str | None:
+        return jax_missing()
+
+    def validate(self, spec: AttentionSpec, device: torch.device | str | None = None) -> list[str]:
+        reasons = super().validate(spec, device)
+        if device is not None and torch.device(device).type == "cuda" and not reasons:
+            why = jax_gpu_unavailable()
+            if why:
+                reasons.append(why)
+        return reasons
+
+
+@functools.cache
+def jax_missing() -> str | None:
+    """Why JAX Pallas cannot be imported here, or None."""
+    if importlib.util.find_spec("jax") is None:
+        return "jax is not installed (pip install 'pagedkv[jax]')"
+    try:
+        # importing interop sets JAX's GPU allocator flags; no import starts a JAX backend
+        from jax.experimental import pallas  # noqa: F401
+        from pagedkv.backends.pallas import interop  # noqa: F401
+    except ImportError as exc:
+        return f"jax.experimental.pallas cannot be imported ({exc})"
+    return None
+
+
+@functools.cache
+def jax_gpu_unavailable() -> str | None:
+    """Why JAX cannot run this backend on CUDA tensors here, or None."""
+    missing = jax_missing()
+    if missing:
+        return missing
+    from pagedkv.backends.pallas import interop  # sets the allocator flags before JAX starts
+
+    try:
+        import jax
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError as exc:
+        return f"jax {interop.jax_version()} has no Pallas Triton lowering ({exc})"
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        return (
+            "no JAX GPU backend for CUDA tensors (install jax[cuda12] or jax[cuda13]; "
+            f"jax {jax.__version__} sees only {sorted({d.platform for d in jax.devices()})})"
+        )
+    return None

@@ -1,0 +1,471 @@
+"""The Pallas ragged paged-attention kernel and its jitted wrapper.
+
+One program attends one *query tile* (``block_q`` consecutive query rows of one
+request, times the ``group`` query heads that share a KV head) against that
+request's keys, for one KV head and one KV split. Query tiles of every request are
+listed by the metadata builder (``tile_req``/``tile_qstart``), so prefill chunks and
+decode tokens of a mixed batch share one launch.
+
+The cache is the whole ``[num_blocks, block_size, 2 * num_kv_heads, head_size]``
+array in memory space ANY (K of KV head h at index 2h, V at 2h+1); keys are gathered
+``block_n`` tokens at a time through the block table, so any block size works and
+the kernel reads exactly the rows it needs. Scores are fp32; softmax is online
+(running max and sum, base 2); a fully masked row or a masked-off key never
+touches a value (loads are masked and replaced by zeros: the cache may hold NaN in
+blocks a request does not own).
+
+Targets: ``interpret`` (CPU, jax's HLO interpreter), ``triton`` (GPU, the Pallas
+Triton lowering) and ``mosaic_gpu`` (only to report that this form does not lower
+there: it uses masked gathers, which Mosaic GPU has no lowering for).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+LOG2E = math.log2(math.e)
+TARGETS = ("interpret", "triton", "mosaic_gpu", "mosaic_tpu")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Everything static about one launch: the layer, the tiling and the target.
+
+    Hashable: it is the jit cache key together with the array shapes.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int  # tokens per cache block
+    scale: float
+    causal: bool = True
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    use_alibi: bool = False
+    use_sinks: bool = False
+    k_scale: float = 1.0  # fp8 caches: stored = real / scale
+    v_scale: float = 1.0
+    block_q: int = 1  # query rows per tile (block_m = block_q * group_pad)
+    block_n: int = 64  # keys per inner-loop step
+    num_splits: int = 1  # KV splits per tile (flash-decoding); >1 adds a combine pass
+    target: str = "interpret"
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        for name in ("block_q", "block_n", "num_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two, got {self.block_n}")
+        if self.block_m & (self.block_m - 1):
+            raise ValueError(
+                f"block_q * group_pad must be a power of two, got {self.block_q} * {self.group_pad}"
+            )
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def group_pad(self) -> int:
+        return pl.next_power_of_2(self.group)
+
+    @property
+    def block_m(self) -> int:
+        """Rows of one tile: block_q query tokens x group_pad heads."""
+        return self.block_q * self.group_pad
+
+    @property
+    def head_pad(self) -> int:
+        """head_size rounded up to a power of two, at least 16 (the dot's minimum)."""
+        return max(16, pl.next_power_of_2(self.head_size))
+
+    @property
+    def name(self) -> str:
+        return (
+            f"paged_attention_bm{self.block_m}_bn{self.block_n}_s{self.num_splits}"
+            f"_d{self.head_size}_bs{self.block_size}"
+        )
+
+
+def default_block_n(head_size: int) -> int:
+    """Keys per step: K and V tiles of [block_n, head_pad] stay within a few tens of KiB."""
+    return 64 if head_size <= 128 else 32
+
+
+def num_tiles_bound(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    """Most query tiles a batch of ``num_tokens`` rows over ``num_reqs`` requests needs.
+
+    Each request adds at most one partial tile, and every tile holds a token.
+    """
+    return max(1, min(num_tokens, -(-num_tokens // block_q) + num_reqs))
+
+
+# -- kernel -----------------------------------------------------------------------------
+
+
+def _paged_attention_kernel(
+    # scalar-style inputs: whole arrays, read one element (or one gathered row) at a time
+    tile_req_ref,  # [num_tiles] int32: request of each tile, -1 for an idle tile
+    tile_qstart_ref,  # [num_tiles] int32: first query row of the tile within its request
+    query_start_loc_ref,  # [num_reqs + 1] int32
+    seq_lens_ref,  # [num_reqs] int32
+    block_table_ref,  # [num_reqs, max_blocks] int32
+    slopes_ref,  # [num_heads] float32 (ALiBi; read only when cfg.use_alibi)
+    sinks_ref,  # [num_heads] float32 (read only when cfg.use_sinks)
+    q_ref,  # [T, num_heads, head_size]
+    kv_ref,  # [num_blocks, block_size, 2 * num_kv_heads, head_size]
+    # outputs
+    o_ref,  # [T(+1), num_heads, head_size(_pad)], or [splits, T(+1), num_heads, head_pad] f32
+    *lse_refs,  # [splits, T(+1), num_heads] f32 log2-sum-exp, only when splitting
+    cfg: KernelConfig,
+):
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    req = tile_req_ref[tile]
+
+    @pl.when(req >= 0)
+    def _():
+        _attend_tile(
+            tile,
+            kv_head,
+            split,
+            req,
+            tile_qstart_ref,
+            query_start_loc_ref,
+            seq_lens_ref,
+            block_table_ref,
+            slopes_ref,
+            sinks_ref,
+            q_ref,
+            kv_ref,
+            o_ref,
+            lse_refs[0] if lse_refs else None,
+            cfg,
+        )
+
+
+def _attend_tile(
+    tile,
+    kv_head,
+    split,
+    req,
+    tile_qstart_ref,
+    query_start_loc_ref,
+    seq_lens_ref,
+    block_table_ref,
+    slopes_ref,
+    sinks_ref,
+    q_ref,
+    kv_ref,
+    o_ref,
+    lse_ref,
+    cfg: KernelConfig,
+):
+    bm, bn, dp = cfg.block_m, cfg.block_n, cfg.head_pad
+    num_tokens = q_ref.shape[0]
+    num_blocks, max_blocks = kv_ref.shape[0], block_table_ref.shape[1]
+    q_start = query_start_loc_ref[req]
+    q_len = query_start_loc_ref[req + 1] - q_start
+    seq_len = seq_lens_ref[req]
+    context_len = seq_len - q_len
+    tile_q0 = tile_qstart_ref[tile]
+
+    # -- rows of the tile: query token x query head of this KV head ----------------
+    rows = jnp.arange(bm, dtype=jnp.int32)
+    q_in_tile = rows // cfg.group_pad
+    head_in_group = rows % cfg.group_pad
+    row_valid = (tile_q0 + q_in_tile < q_len) & (head_in_group < cfg.group)
+    # masked-off rows point at a row nobody else writes (interpret mode stores them)
+    trash_row = num_tokens if cfg.target == "interpret" else 0
+    token = jnp.where(row_valid, q_start + tile_q0 + q_in_tile, trash_row)
+    head = jnp.where(row_valid, kv_head * cfg.group + head_in_group, 0)
+    q_pos = context_len + tile_q0 + q_in_tile  # [bm] absolute position of each row
+
+    dims = jnp.arange(dp, dtype=jnp.int32)
+    if cfg.head_size == dp:
+        # no padded columns: plain ranges keep the loads provably contiguous (vectorised)
+        dim_valid, dim_idx = None, dims
+    else:
+        dim_valid = dims < cfg.head_size
+        dim_idx = jnp.where(dim_valid, dims, 0)
+
+    def tile_mask(valid: jax.Array) -> jax.Array:  # [n] -> [n, dp]
+        mask = jnp.broadcast_to(valid[:, None], (valid.shape[0], dp))
+        return mask if dim_valid is None else mask & dim_valid[None, :]
+
+    row_mask = tile_mask(row_valid)
+    q = pl_triton.load(
+        q_ref.at[
+            _bcast(jnp.minimum(token, num_tokens - 1)[:, None], (bm, dp)),
+            _bcast(head[:, None], (bm, dp)),
+            _bcast(dim_idx[None, :], (bm, dp)),
+        ],
+        mask=row_mask,
+        other=0,
+    )  # [bm, dp]
+
+    # -- the keys this tile can see --------------------------------------------------
+    first_q = context_len + tile_q0
+    last_q = context_len + jnp.minimum(tile_q0 + cfg.block_q, q_len) - 1
+    kv_hi = jnp.minimum(last_q + 1, seq_len) if cfg.causal else seq_len
+    kv_lo = jnp.int32(0)
+    if cfg.sliding_window is not None:
+        kv_lo = jnp.maximum(first_q - (cfg.sliding_window - 1), 0)
+        if not cfg.causal:
+            kv_hi = jnp.minimum(last_q + cfg.sliding_window, seq_len)
+    step_lo = kv_lo // bn
+    step_hi = (kv_hi + bn - 1) // bn
+    if cfg.num_splits > 1:
+        per_split = (step_hi - step_lo + cfg.num_splits - 1) // cfg.num_splits
+        step_lo = step_lo + split * per_split
+        step_hi = jnp.minimum(step_lo + per_split, step_hi)
+
+    # -- running softmax state (base 2); the sink joins split 0's denominator --------
+    neg_inf = jnp.float32(-jnp.inf)
+    m_i = jnp.full((bm,), neg_inf, jnp.float32)
+    l_i = jnp.zeros((bm,), jnp.float32)
+    if cfg.use_sinks:
+        sink = pl_triton.load(sinks_ref.at[head]) * LOG2E
+        m_i = jnp.where(split == 0, sink, m_i) if cfg.num_splits > 1 else sink
+        l_i = jnp.where(split == 0, 1.0, l_i) if cfg.num_splits > 1 else jnp.ones_like(l_i)
+    slope = pl_triton.load(slopes_ref.at[head]) if cfg.use_alibi else None
+    acc = jnp.zeros((bm, dp), jnp.float32)
+
+    def body(step, carry):
+        acc, m_i, l_i = carry
+        pos = step * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn] key positions
+        kv_valid = pos < seq_len
+        # clamped so that metadata past its bounds cannot make the kernel read outside
+        # the table or the pool (CommonAttentionMetadata.validate reports such input)
+        logical = jnp.clip(jnp.where(kv_valid, pos // cfg.block_size, 0), 0, max_blocks - 1)
+        page = pl_triton.load(block_table_ref.at[req, logical])
+        page = jnp.where(kv_valid, jnp.clip(page, 0, num_blocks - 1), 0)
+        slot = pos % cfg.block_size
+        idx = (
+            _bcast(page[:, None], (bn, dp)),
+            _bcast(slot[:, None], (bn, dp)),
+        )
+        kv_mask = tile_mask(kv_valid)
+        dim_b = _bcast(dim_idx[None, :], (bn, dp))
+        k = _load_kv(kv_ref.at[(*idx, 2 * kv_head, dim_b)], kv_mask, q.dtype)
+        v = _load_kv(kv_ref.at[(*idx, 2 * kv_head + 1, dim_b)], kv_mask, q.dtype)
+
+        # -- scores: scale, softcap, mask, ALiBi (the contract's order) -------------
+        s = _dot(q, k, trans_b=True) * (cfg.scale * cfg.k_scale)  # [bm, bn] f32
+        if cfg.logits_soft_cap is not None:
+            s = jnp.tanh(s / cfg.logits_soft_cap) * cfg.logits_soft_cap
+        visible = kv_valid[None, :]
+        if cfg.causal:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        if cfg.sliding_window is not None:
+            visible = visible & (q_pos[:, None] - pos[None, :] < cfg.sliding_window)
+            if not cfg.causal:
+                visible = visible & (pos[None, :] - q_pos[:, None] < cfg.sliding_window)
+        if slope is not None:
+            s = s + slope[:, None] * (pos[None, :] - q_pos[:, None]).astype(jnp.float32)
+        s = jnp.where(visible, s * LOG2E, neg_inf)
+
+        # -- online softmax ---------------------------------------------------------
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)  # a row with nothing seen yet
+        alpha = jnp.exp2(m_i - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(step_lo, step_hi, body, (acc, m_i, l_i))
+
+    has_mass = l_i > 0
+    out = acc / jnp.where(has_mass, l_i, 1.0)[:, None]
+    # interpret mode stores masked lanes too, so there every lane gets its own column
+    store_dims = dims if cfg.target == "interpret" else dim_idx
+    idx = (
+        _bcast(token[:, None], (bm, dp)),
+        _bcast(head[:, None], (bm, dp)),
+        _bcast(store_dims[None, :], (bm, dp)),
+    )
+    if lse_ref is None:
+        out = out * cfg.v_scale
+        pl_triton.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=row_mask)
+    else:
+        pl_triton.store(o_ref.at[(split, *idx)], out, mask=row_mask)
+        lse = jnp.where(has_mass, m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0)), neg_inf)
+        pl_triton.store(lse_ref.at[split, token, head], lse, mask=row_valid)
+
+
+def _load_kv(ref, mask: jax.Array, dtype) -> jax.Array:
+    """Masked K or V tile in the model dtype; masked lanes are 0 (the cache may hold NaN
+    there). fp8 caches widen after loading: the Triton lowering has no fp8 `other`."""
+    if jnp.dtype(ref.dtype).itemsize == 1:
+        return jnp.where(mask, pl_triton.load(ref, mask=mask).astype(dtype), 0)
+    return pl_triton.load(ref, mask=mask, other=0).astype(dtype)
+
+
+def _bcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.broadcast_to(x, shape)
+
+
+def _dot(a: jax.Array, b: jax.Array, trans_b: bool = False) -> jax.Array:
+    """fp32-accumulating dot; fp32 inputs stay IEEE fp32 (no TF32 rounding)."""
+    exact = a.dtype == jnp.float32 or b.dtype == jnp.float32
+    return pl_triton.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
+
+
+# -- wrapper ------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: jax.Array,  # [T, num_heads, head_size]
+    kv_cache: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_size]
+    tile_req: jax.Array,  # [num_tiles] int32
+    tile_qstart: jax.Array,  # [num_tiles] int32
+    query_start_loc: jax.Array,  # [num_reqs + 1] int32
+    seq_lens: jax.Array,  # [num_reqs] int32
+    block_table: jax.Array,  # [num_reqs, max_blocks] int32
+    slopes: jax.Array,  # [num_heads] float32
+    sinks: jax.Array,  # [num_heads] float32
+    *,
+    cfg: KernelConfig,
+) -> jax.Array:
+    """Attention of every scheduled query row; returns [T, num_heads, head_size] in q's
+    dtype. Rows no tile covers (padding) are unspecified. Jitted per ``cfg`` and shapes.
+    """
+    _check_shapes(q, kv_cache, tile_req, tile_qstart, query_start_loc, seq_lens, block_table, cfg)
+    return jitted(cfg.target)(
+        q,
+        kv_cache,
+        tile_req,
+        tile_qstart,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        slopes,
+        sinks,
+        cfg=cfg,
+    )
+
+
+# Interpret mode runs in milliseconds and compiles in seconds: compile it cheaply.
+_COMPILER_OPTIONS = {
+    "interpret": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+}
+
+
+@functools.cache
+def jitted(target: str):
+    """The jitted kernel call for ``target``; its cache holds one entry per config and
+    input shapes (``jitted(target)._cache_size()``)."""
+    return jax.jit(
+        _paged_attention_call,
+        static_argnames=("cfg",),
+        compiler_options=_COMPILER_OPTIONS.get(target),
+    )
+
+
+def _paged_attention_call(
+    q,
+    kv_cache,
+    tile_req,
+    tile_qstart,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    slopes,
+    sinks,
+    *,
+    cfg,
+):
+    num_tokens, num_heads, head_size = q.shape
+    # interpret mode stores masked-off lanes too: they land in one extra row and in
+    # the padding columns, where no real lane writes
+    interpret = cfg.target == "interpret"
+    out_rows = num_tokens + (1 if interpret else 0)
+    out_width = cfg.head_pad if interpret else head_size
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    if cfg.num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((out_rows, num_heads, out_width), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((cfg.num_splits, out_rows, num_heads, cfg.head_pad), jnp.float32),
+            jax.ShapeDtypeStruct((cfg.num_splits, out_rows, num_heads), jnp.float32),
+        ]
+    outs = pl.pallas_call(
+        functools.partial(_paged_attention_kernel, cfg=cfg),
+        grid=(tile_req.shape[0], cfg.num_kv_heads, cfg.num_splits),
+        in_specs=[any_spec] * 9,
+        out_specs=[any_spec] * len(out_shape),
+        out_shape=out_shape,
+        interpret=cfg.target == "interpret",
+        compiler_params=_compiler_params(cfg),
+        name=cfg.name,
+    )(tile_req, tile_qstart, query_start_loc, seq_lens, block_table, slopes, sinks, q, kv_cache)
+    if cfg.num_splits == 1:
+        return outs[0][:num_tokens, :, :head_size]
+    return _combine_splits(
+        outs[0][:, :num_tokens, :, :head_size], outs[1][:, :num_tokens], cfg
+    ).astype(q.dtype)
+
+
+def _combine_splits(partial: jax.Array, lse: jax.Array, cfg: KernelConfig) -> jax.Array:
+    """Merge per-split normalised outputs [S, T, H, D] by their log2-sum-exp [S, T, H]."""
+    lse_max = jnp.max(lse, axis=0)
+    lse_max = jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)
+    weight = jnp.exp2(lse - lse_max[None])  # [S, T, H]; 0 for an empty split
+    # an empty split's partial is never read: its weight is 0 and where() drops it
+    weighted = jnp.where(weight[..., None] > 0, partial * weight[..., None], 0.0)
+    total = jnp.sum(weight, axis=0)
+    return jnp.sum(weighted, axis=0) / jnp.where(total > 0, total, 1.0)[..., None] * cfg.v_scale
+
+
+def _compiler_params(cfg: KernelConfig):
+    if cfg.target == "triton":
+        return pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.target == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as pl_mgpu
+
+        return pl_mgpu.CompilerParams()
+    if cfg.target == "mosaic_tpu":
+        from jax.experimental.pallas import tpu as pl_tpu
+
+        return pl_tpu.CompilerParams()
+    return None
+
+
+def _check_shapes(q, kv_cache, tile_req, tile_qstart, query_start_loc, seq_lens, block_table, cfg):
+    num_reqs = seq_lens.shape[0]
+    want = {
+        "q": (q.shape, (q.shape[0], cfg.num_heads, cfg.head_size)),
+        "kv_cache": (
+            kv_cache.shape,
+            (kv_cache.shape[0], cfg.block_size, 2 * cfg.num_kv_heads, cfg.head_size),
+        ),
+        "tile_qstart": (tile_qstart.shape, tile_req.shape),
+        "query_start_loc": (query_start_loc.shape, (num_reqs + 1,)),
+        "block_table": (block_table.shape[:1], (num_reqs,)),
+    }
+    for name, (got, expected) in want.items():
+        if tuple(got) != tuple(expected):
+            raise ValueError(f"{name}: expected shape {list(expected)}, got {list(got)}")
+    for name, arr in (
+        ("tile_req", tile_req),
+        ("tile_qstart", tile_qstart),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name}: expected int32, got {arr.dtype}")

@@ -1,0 +1,306 @@
+"""The unified paged-attention kernel: prefill, chunked prefill and decode in one launch.
+
+Grid ``(query blocks, KV heads, splits)``. A program owns BLOCK_Q query tokens of
+one request times the GROUP query heads that share one KV head (GQA packing: row
+``r`` is token ``r // GROUP``, head ``r % GROUP``), so each K/V tile is read once
+per KV head. It walks the request's keys in tiles of TILE_N tokens, looking each
+token's page up in the block table, with an online softmax in fp32 (base 2).
+
+Only the tiles some row can see are visited (causal horizon, sliding window); the
+tiles every row sees entirely are run without masks, the few boundary tiles with
+them. With splits (flash-decoding), split ``s`` takes its share of those tiles and
+writes an unnormalised partial result that ``reduce_kernel`` merges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from pagedkv.triton_kv_write import fix_interpreter_loop_bounds
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def find_sequence(QueryStartLoc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request owning global query block ``q_block``; request i's blocks start at
+    query_start_loc[i] // BLOCK_Q + i (an upper bound that needs no prefix sum)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    # overflow-safe: exp2 saturates to inf or 0, giving exactly +1 or -1
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_PAD] fp32
+    l_i,  # [BLOCK_M] fp32, softmax denominator
+    m_i,  # [BLOCK_M] fp32, running max (base-2 units)
+    q,  # [BLOCK_M, HEAD_PAD]
+    KCache,
+    VCache,
+    block_table_row,  # this request's block table row
+    tile,
+    seq_len,
+    q_pos,  # [BLOCK_M] absolute position of each row's token
+    slope,  # [BLOCK_M] ALiBi slope (base-2 units)
+    k_head_offset,
+    v_head_offset,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    qk_scale,
+    softcap,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    k_pos = tile * TILE_N + tl.arange(0, TILE_N)
+    dims = tl.arange(0, HEAD_PAD)
+    # -- gather the tile's pages ------------------------------------------------
+    if MASKED:
+        key_ok = k_pos < seq_len
+        page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        page = tl.load(block_table_row + k_pos // BLOCK_SIZE)
+    page = page.to(tl.int64)
+    in_page = (k_pos % BLOCK_SIZE).to(tl.int64)
+    k_rows = page * stride_kb + in_page * stride_ks + k_head_offset
+    v_rows = page * stride_vb + in_page * stride_vs + v_head_offset
+    k_ptrs = KCache + k_rows[:, None] + dims[None, :]
+    v_ptrs = VCache + v_rows[:, None] + dims[None, :]
+    if MASKED:
+        if HEAD_PAD != HEAD_SIZE:
+            load_mask = key_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+        else:
+            load_mask = key_ok[:, None]
+        k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+    else:
+        if HEAD_PAD != HEAD_SIZE:
+            k = tl.load(k_ptrs, mask=(dims < HEAD_SIZE)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(dims < HEAD_SIZE)[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    # fp8 -> the query dtype is exact; the K/V scales are applied to scores / output
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+
+    # -- scores, base-2 units ----------------------------------------------------
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFTCAP:
+        s = (softcap * 1.4426950408889634) * _tanh(s / softcap)
+    if USE_ALIBI:
+        s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASKED:
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+            if not CAUSAL:
+                visible = visible & (k_pos[None, :] - q_pos[:, None] < window)
+        s = tl.where(visible, s, float("-inf"))
+
+    # -- online softmax ------------------------------------------------------------
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that sees nothing yet keeps m = -inf; exponentiate against 0 instead
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])
+def unified_attention_kernel(
+    Out,  # [T, Hq, HEAD_SIZE] (unused when SPLIT)
+    PartAcc,  # [T, Hq, splits, HEAD_PAD] fp32 (SPLIT only)
+    PartMax,  # [T, Hq, splits] fp32, base-2 running max (SPLIT only)
+    PartSum,  # [T, Hq, splits] fp32, softmax denominator (SPLIT only)
+    Q,  # [T, Hq, HEAD_SIZE]
+    KCache,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_SIZE] view
+    VCache,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_SIZE] view
+    BlockTable,  # [num_seqs, max_blocks] int32
+    SeqLens,  # [num_seqs] int32
+    QueryStartLoc,  # [num_seqs + 1] int32
+    Sinks,  # [Hq] fp32 logits (USE_SINKS)
+    AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
+    num_seqs,
+    qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
+    softcap,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_mt,
+    stride_mh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
+    # the last query blocks see the most keys: launch them first, so the final wave
+    # of a causal prefill is made of short programs
+    q_block_global = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    context_len = seq_len - q_len
+
+    # -- rows: (token, query head of this KV head) ----------------------------------
+    rows = tl.arange(0, BLOCK_M)
+    token = q_block * BLOCK_Q + rows // GROUP  # within the request's queries
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    q_pos = context_len + token
+    token_row = (q_start + token).to(tl.int64)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q = tl.load(
+        Q + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+    if USE_ALIBI:
+        slope = tl.load(AlibiSlopes + head) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS and not SPLIT:
+        # the sink joins the denominator: start from its logit with weight 1
+        m_i = tl.load(Sinks + head) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+    # -- which keys: any row sees [key_lo, key_hi); every row sees [full_lo, full_hi) --
+    q_first = context_len + q_block * BLOCK_Q
+    q_last = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    key_lo = 0
+    full_lo = 0
+    if CAUSAL:
+        key_hi = q_last + 1
+        full_hi = q_first + 1
+    else:
+        key_hi = seq_len
+        full_hi = seq_len
+    if USE_WINDOW:
+        key_lo = tl.maximum(q_first - window + 1, 0)
+        full_lo = tl.maximum(q_last - window + 1, 0)
+        if not CAUSAL:
+            key_hi = tl.minimum(q_last + window, seq_len)
+            full_hi = tl.minimum(q_first + window, seq_len)
+    tile_lo = key_lo // TILE_N
+    tile_hi = tl.cdiv(key_hi, TILE_N)
+    full_tile_lo = tl.minimum(tl.cdiv(full_lo, TILE_N), tile_hi)
+    full_tile_hi = tl.maximum(full_hi // TILE_N, full_tile_lo)
+    # this split's share of the tiles
+    per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+    first = tile_lo + split * per_split
+    last = tl.minimum(first + per_split, tile_hi)
+
+    block_table_row = BlockTable + seq.to(tl.int64) * stride_bt
+    k_head_offset = kv_head.to(tl.int64) * stride_kh
+    v_head_offset = kv_head.to(tl.int64) * stride_vh
+
+    # -- tiles every row sees entirely: no masks ---------------------------------------
+    for tile in range(tl.maximum(first, full_tile_lo), tl.minimum(last, full_tile_hi)):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, KCache, VCache, block_table_row, tile, seq_len, q_pos, slope,
+            k_head_offset, v_head_offset, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale, softcap, window,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, False, CAUSAL, USE_WINDOW,
+            USE_SOFTCAP, USE_ALIBI, DOT_PRECISION,
+        )  # fmt: skip
+    # -- boundary tiles, below and above that range: masked ------------------------------
+    num_below = tl.maximum(tl.minimum(last, full_tile_lo) - first, 0)
+    above = tl.maximum(first, full_tile_hi)
+    num_above = tl.maximum(last - above, 0)
+    for i in range(0, num_below + num_above):
+        tile = tl.where(i < num_below, first + i, above + i - num_below)
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, KCache, VCache, block_table_row, tile, seq_len, q_pos, slope,
+            k_head_offset, v_head_offset, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale, softcap, window,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, True, CAUSAL, USE_WINDOW,
+            USE_SOFTCAP, USE_ALIBI, DOT_PRECISION,
+        )  # fmt: skip
+
+    # -- epilogue ------------------------------------------------------------------
+    if SPLIT:
+        # every split writes, even an empty one (m = -inf, l = 0), for the reduction
+        part = token_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
+        tl.store(PartAcc + part + dims[None, :], acc * v_scale, mask=row_ok[:, None])
+        stat = token_row * stride_mt + head * stride_mh + split
+        tl.store(PartMax + stat, m_i, mask=row_ok)
+        tl.store(PartSum + stat, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc * (v_scale / l_safe)[:, None]
+        tl.store(
+            Out + token_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+if type(unified_attention_kernel).__name__ == "InterpretedFunction":
+    fix_interpreter_loop_bounds()

@@ -1,0 +1,283 @@
+"""The conformance report: PATH.json (every verdict) and PATH.md (a backend x
+scenario matrix with max errors, then each failure with its reproduction)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagedkv.capabilities import dtype_name
+from pagedkv.conformance.check import TOLERANCES
+from pagedkv.conformance.run import ConformanceRun, Target
+
+FORMAT_VERSION = 1
+
+
+def report_paths(path: str | Path) -> tuple[Path, Path]:
+    """PATH.json and PATH.md (a .json or .md suffix on PATH is dropped first)."""
+    path = Path(path)
+    if path.suffix in (".json", ".md"):
+        path = path.with_suffix("")
+    return path.with_name(path.name + ".json"), path.with_name(path.name + ".md")
+
+
+def write_report(run: ConformanceRun, path: str | Path) -> tuple[Path, Path]:
+    data = report_data(run)
+    json_path, md_path = report_paths(path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    md_path.write_text(markdown(data))
+    return json_path, md_path
+
+
+def report_data(run: ConformanceRun) -> dict[str, Any]:
+    """Everything the session decided, JSON-ready."""
+    import pagedkv
+
+    backends, cells, scenarios = {}, [], {}
+    for target in run.targets:
+        backends[target.label] = _backend_entry(run, target)
+        if not target.available:
+            continue
+        plan = run.plan(target)
+        for scenario in plan.scenarios:
+            scenarios.setdefault(scenario.name, _scenario_entry(scenario))
+            result = run.results.get((target.label, scenario.name))
+            cells.append(_cell(target.label, scenario.name, result))
+        for scenario, reasons in plan.not_applicable:
+            scenarios.setdefault(scenario.name, _scenario_entry(scenario))
+            cells.append(
+                {
+                    "backend": target.label,
+                    "scenario": scenario.name,
+                    "status": "n/a",
+                    "reasons": reasons,
+                }
+            )
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "level": run.level,
+        "device": run.device,
+        "device_name": _device_name(run.device),
+        "versions": {
+            "pagedkv": pagedkv.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "tolerances": {
+            dtype_name(d): {"atol": t.atol, "rtol": t.rtol} for d, t in TOLERANCES.items()
+        },
+        "backends": backends,
+        "scenarios": scenarios,
+        "results": cells,
+        "checks": [
+            {
+                "check": c.name,
+                "subject": c.subject,
+                "status": c.status,
+                "problems": c.problems,
+                **c.detail,
+            }
+            for c in run.checks
+        ],
+    }
+
+
+def _backend_entry(run: ConformanceRun, target: Target) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "requested": target.requested,
+        "available": target.available,
+        "reason": target.reason,
+        "distribution": target.distribution,
+    }
+    if target.backend is not None:
+        entry["layout"] = target.backend.layout
+        entry["capabilities"] = target.backend.capabilities.describe()
+    if target.available:
+        plan = run.plan(target)
+        entry["plan_problems"] = plan.problems
+        entry["notes"] = plan.notes
+        entry.update(run.counts(target))
+    return entry
+
+
+def _scenario_entry(scenario: Any) -> dict[str, Any]:
+    return {
+        "repro": scenario.repro(),
+        "tags": sorted(scenario.tags),
+        "dtype": dtype_name(scenario.dtype),
+        "seq_lens": list(scenario.seq_lens),
+        "query_lens": list(scenario.query_lens),
+    }
+
+
+def _cell(backend: str, scenario: str, result: Any) -> dict[str, Any]:
+    if result is None:
+        return {"backend": backend, "scenario": scenario, "status": "not run"}
+    return {
+        "backend": backend,
+        "scenario": scenario,
+        "status": "pass" if result.passed else "fail",
+        "max_abs_error": _finite(result.max_abs_error),
+        "max_rel_error": _finite(result.max_rel_error),
+        "non_finite_output": math.isinf(result.max_abs_error),
+        "tolerance": {
+            "atol": TOLERANCES[result.scenario.dtype].atol,
+            "rtol": TOLERANCES[result.scenario.dtype].rtol,
+        },
+        "failures": result.failures,
+        "duration_s": round(result.duration_s, 4),
+        "reproduce": None if result.passed else result.reproduction(),
+    }
+
+
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN or infinity: None (an output that was not compared, or non-finite)."""
+    return value if math.isfinite(value) else None
+
+
+def _jsonable(value: Any) -> Any:
+    return str(value)
+
+
+# -- rendering --------------------------------------------------------------------------
+
+
+def matrix_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the scenario x backend matrix (one cell: status and max abs error)."""
+    labels = [b for b, e in data["backends"].items() if e["available"]]
+    by_key = {(c["backend"], c["scenario"]): c for c in data["results"]}
+    rows = []
+    for name in data["scenarios"]:
+        row = [name]
+        for label in labels:
+            row.append(_cell_text(by_key.get((label, name))))
+        rows.append(row)
+    return ["scenario", *labels], rows
+
+
+def _cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None or cell["status"] == "not run":
+        return "-"
+    if cell["status"] == "n/a":
+        return "n/a"
+    err = cell.get("max_abs_error")
+    err_text = " non-finite" if cell.get("non_finite_output") else ""
+    err_text = f" {err:.1e}" if err is not None else err_text
+    return ("pass" if cell["status"] == "pass" else "FAIL") + err_text
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """One line per backend: counts, or why it was not tested."""
+    lines = []
+    for label, entry in data["backends"].items():
+        if not entry["available"]:
+            prefix = "REQUESTED BUT UNAVAILABLE" if entry["requested"] else "unavailable"
+            lines.append(f"{label}: {prefix}: {entry['reason']} (its scenarios were skipped)")
+            continue
+        failed_checks = [
+            c["check"] for c in data["checks"] if c["subject"] == label and c["status"] == "fail"
+        ]
+        line = (
+            f"{label}: {entry['passed']} passed, {entry['failed']} failed of "
+            f"{entry['planned']} scenarios, {entry['not_applicable']} not applicable"
+        )
+        if failed_checks:
+            line += f"; failed checks: {', '.join(failed_checks)}"
+        if entry.get("plan_problems"):
+            line += f"; plan problems: {len(entry['plan_problems'])}"
+        lines.append(line)
+    cross = [c for c in data["checks"] if c["check"] == "cross-backend"]
+    if cross:
+        bad = [c["subject"] for c in cross if c["status"] == "fail"]
+        compared = [c for c in cross if c["status"] != "skipped"]
+        lines.append(
+            f"cross-backend: {len(compared) - len(bad)} of {len(compared)} compared scenarios "
+            f"agree; {len(cross) - len(compared)} not compared (fewer than two backends passed)"
+            + (f"; disagree: {', '.join(bad)}" if bad else "")
+        )
+    return lines
+
+
+def markdown(data: dict[str, Any]) -> str:
+    out = [
+        "# pagedkv conformance report",
+        "",
+        f"Level **{data['level']}** on **{data['device']}** ({data['device_name']}); "
+        f"pagedkv {data['versions']['pagedkv']}, torch {data['versions']['torch']}, "
+        f"Python {data['versions']['python']}; {data['created']}.",
+        "",
+        "Tolerances against the float64 reference: "
+        + ", ".join(f"{d} atol {t['atol']} rtol {t['rtol']}" for d, t in data["tolerances"].items())
+        + ". Cells: status and max abs error; `n/a`: the backend does not declare what the "
+        "scenario needs; `-`: not run.",
+        "",
+        "## Summary",
+        "",
+        *[f"- {line}" for line in summary_lines(data)],
+        "",
+        "## Matrix",
+        "",
+        _md_table(*matrix_rows(data)),
+        "",
+    ]
+    failures = [c for c in data["results"] if c["status"] == "fail"]
+    if failures:
+        out += ["## Failures", ""]
+        for cell in failures:
+            out.append(f"### {cell['backend']} / {cell['scenario']}")
+            out.append("")
+            out += [f"- {f}" for f in cell["failures"]]
+            out += ["", "```", cell["reproduce"], "```", ""]
+    checks = [c for c in data["checks"] if c["check"] != "cross-backend"]
+    if checks:
+        out += ["## Checks", "", "| check | backend | result |", "|---|---|---|"]
+        for c in checks:
+            result = "pass" if c["status"] == "pass" else "FAIL: " + "; ".join(c["problems"])
+            out.append(f"| {c['check']} | {c['subject']} | {_md_escape(result)} |")
+        out.append("")
+    cross = [c for c in data["checks"] if c["check"] == "cross-backend"]
+    if cross:
+        out += [
+            "## Cross-backend",
+            "",
+            "| scenario | baseline | compared | max abs diff | result |",
+            "|---|---|---|---|---|",
+        ]
+        for c in cross:
+            diff = c.get("max_abs_diff")
+            diff_text = "-" if diff is None or not math.isfinite(diff) else f"{diff:.1e}"
+            result = c["status"] if c["status"] != "fail" else "FAIL: " + "; ".join(c["problems"])
+            out.append(
+                f"| {c['subject']} | {c.get('baseline', '-')} | {', '.join(c['compared'])} | "
+                f"{diff_text} | {_md_escape(result)} |"
+            )
+        out.append("")
+    na = [c for c in data["results"] if c["status"] == "n/a"]
+    if na:
+        out += ["## Not applicable", ""]
+        out += [f"- {c['backend']} / {c['scenario']}: {'; '.join(c['reasons'])}" for c in na]
+        out.append("")
+    return "\n".join(out)
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

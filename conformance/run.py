@@ -1,0 +1,263 @@
+"""One conformance session: the backends under test, their scenario plans, and
+every verdict, for the pytest plugin, the report and ``pagedkv conform``.
+
+Resolving backends and planning scenarios happen lazily, so a pytest session that
+collects no conformance test pays nothing for the plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagedkv.backend import AttentionBackend
+from pagedkv.conformance.check import ScenarioResult, compare_outputs, run_scenario
+from pagedkv.conformance.design import Plan, design_scenarios
+from pagedkv.conformance.scenario import Scenario
+from pagedkv.errors import PagedKVError, UnknownBackendError
+from pagedkv.registry import get_registry
+from pagedkv.selection import parse_config
+
+DEFAULT_BACKEND = "torch"
+ALL = "all"
+
+
+class ConformanceUsageError(PagedKVError, ValueError):
+    """A --backend or --device value names nothing that can be tested."""
+
+
+@dataclass
+class Target:
+    """One backend under test, as named on the command line."""
+
+    label: str  # the config string, e.g. "flashinfer(kv_layout=HND)"
+    requested: bool  # named explicitly (not through "all" or the default)
+    backend: AttentionBackend | None = None
+    available: bool = False
+    reason: str = ""  # why not available
+    distribution: str = ""
+    plan: Plan | None = None
+
+
+@dataclass
+class CheckResult:
+    """A verdict that is not one scenario: plan, capability honesty, copy_blocks, cross."""
+
+    name: str
+    subject: str  # a backend label, or a scenario name for cross-backend checks
+    problems: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+    skipped: bool = False  # nothing to judge (e.g. fewer than two outputs to compare)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @property
+    def status(self) -> str:
+        return "fail" if self.problems else "skipped" if self.skipped else "pass"
+
+
+@dataclass
+class ConformanceRun:
+    names: list[str]  # --backend values; empty: the default backend
+    level: str = "quick"
+    device_option: str | None = None
+    results: dict[tuple[str, str], ScenarioResult] = field(default_factory=dict)
+    checks: list[CheckResult] = field(default_factory=list)
+    collected: bool = False  # a conformance test was collected in this session
+    report_files: tuple[Path, ...] = ()  # written at the end of the session
+
+    # -- backends ---------------------------------------------------------------------
+
+    @cached_property
+    def device(self) -> str:
+        if self.device_option:
+            try:
+                return str(torch.device(self.device_option))
+            except (RuntimeError, ValueError) as exc:
+                raise ConformanceUsageError(f"--device {self.device_option!r}: {exc}") from None
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @cached_property
+    def targets(self) -> list[Target]:
+        """The backends under test, in command-line order ("all": by priority)."""
+        registry = get_registry()
+        out: dict[str, Target] = {}
+        for name in self.names or [DEFAULT_BACKEND]:
+            if name == ALL:
+                everything = sorted(
+                    registry.entries.values(), key=lambda e: (-e.cls.priority, e.cls.name)
+                )
+                for entry in everything:
+                    out.setdefault(entry.cls.name, self._resolve(entry.cls.name, False))
+                for failure in registry.failures:
+                    out.setdefault(
+                        failure.plugin,
+                        Target(
+                            failure.plugin,
+                            requested=False,
+                            reason=f"plugin failed to load: {failure.error}",
+                            distribution=failure.distribution,
+                        ),
+                    )
+            else:
+                out[name] = self._resolve(name, bool(self.names))
+        return list(out.values())
+
+    def _resolve(self, label: str, requested: bool) -> Target:
+        registry = get_registry()
+        try:
+            choices = parse_config(label)
+        except PagedKVError as exc:
+            raise ConformanceUsageError(f"--backend {label!r}: {exc}") from None
+        if len(choices) != 1 or choices[0].name == "auto":
+            raise ConformanceUsageError(
+                f"--backend {label!r}: name one backend per --backend (or 'all'), not a "
+                "preference list"
+            )
+        choice = choices[0]
+        target = Target(label, requested)
+        entry = registry.entries.get(choice.name)
+        if entry is None:
+            failure = registry.failure_for(choice.name)
+            if failure is None:
+                raise ConformanceUsageError(str(UnknownBackendError(choice.name, registry.entries)))
+            target.reason = f"plugin failed to load: {failure.error}"
+            target.distribution = failure.distribution
+            return target
+        target.distribution = entry.distribution
+        try:
+            target.backend = registry.create(choice.name, **choice.options)
+            target.available, target.reason = target.backend.is_available()
+        except PagedKVError as exc:
+            raise ConformanceUsageError(f"--backend {label!r}: {exc}") from None
+        except Exception as exc:
+            target.reason = f"creating the backend raised {type(exc).__name__}: {exc}"
+            return target
+        device_type = torch.device(self.device).type
+        devices = target.backend.capabilities.devices
+        if target.available and device_type not in devices:
+            target.available = False
+            target.reason = (
+                f"does not run on {device_type} (declares devices: {', '.join(sorted(devices))})"
+            )
+        return target
+
+    @property
+    def available_targets(self) -> list[Target]:
+        return [t for t in self.targets if t.available]
+
+    # -- plans ------------------------------------------------------------------------
+
+    def plan(self, target: Target) -> Plan:
+        if target.plan is None:
+            assert target.backend is not None
+            extra, problems = self._plugin_scenarios(target.backend)
+            target.plan = design_scenarios(target.backend, self.level, self.device, extra)
+            target.plan.problems += problems
+        return target.plan
+
+    def _plugin_scenarios(self, backend: AttentionBackend) -> tuple[list[Scenario], list[str]]:
+        """Scenarios from every plugin's ``pagedkv_conformance_scenarios``, tagged with
+        the plugin; a hook that raises or returns junk is a problem, not a crash."""
+        hook = get_registry().plugin_manager.hook.pagedkv_conformance_scenarios
+        extra, problems = [], []
+        offered = {"backend": backend, "level": self.level}
+        for impl in hook.get_hookimpls():
+            who = f"plugin {impl.plugin_name!r}"
+            try:
+                got = impl.function(**{k: offered[k] for k in impl.argnames})
+                items = list(got or [])
+            except Exception as exc:
+                problems.append(
+                    f"{who}: pagedkv_conformance_scenarios raised {type(exc).__name__}: {exc}"
+                )
+                continue
+            for item in items:
+                if not isinstance(item, Scenario):
+                    problems.append(
+                        f"{who}: pagedkv_conformance_scenarios returned {item!r}, not a Scenario"
+                    )
+                    continue
+                extra.append(item.replace(tags=item.tags | {f"plugin:{impl.plugin_name}"}))
+        return extra, problems
+
+    def scenario_order(self) -> list[str]:
+        """Every planned scenario name, first appearance first."""
+        names: dict[str, None] = {}
+        for target in self.available_targets:
+            for scenario in self.plan(target).scenarios:
+                names.setdefault(scenario.name, None)
+        return list(names)
+
+    def cross_scenarios(self) -> list[str]:
+        """Scenarios at least two available backends run."""
+        counts: dict[str, int] = {}
+        for target in self.available_targets:
+            for scenario in self.plan(target).scenarios:
+                counts[scenario.name] = counts.get(scenario.name, 0) + 1
+        return [name for name in self.scenario_order() if counts.get(name, 0) >= 2]
+
+    # -- running ----------------------------------------------------------------------
+
+    def run(self, target: Target, scenario: Scenario) -> ScenarioResult:
+        assert target.backend is not None
+        result = run_scenario(target.backend, scenario, self.device, backend_label=target.label)
+        if scenario.name not in self._cross_names:
+            result.output = None  # kept only for the cross-backend comparison
+        self.results[(target.label, scenario.name)] = result
+        return result
+
+    @cached_property
+    def _cross_names(self) -> set[str]:
+        return set(self.cross_scenarios())
+
+    def cross_check(self, scenario_name: str) -> CheckResult:
+        """Every backend's output against the first that passed the reference check."""
+        check = CheckResult("cross-backend", scenario_name)
+        runs = []
+        for target in self.available_targets:
+            scenario = next(
+                (s for s in self.plan(target).scenarios if s.name == scenario_name), None
+            )
+            if scenario is None:
+                continue
+            result = self.results.get((target.label, scenario_name))
+            if result is None:  # deselected, or not run yet: run it now
+                result = self.run(target, scenario)
+            runs.append(result)
+        passed = [r for r in runs if r.passed and r.output is not None]
+        check.detail["compared"] = [r.backend for r in passed]
+        check.detail["skipped"] = [r.backend for r in runs if r not in passed]
+        check.skipped = len(passed) < 2
+        if not check.skipped:
+            baseline = passed[0]
+            diffs = [float((r.output - baseline.output).abs().max()) for r in passed[1:]]
+            check.detail["baseline"] = baseline.backend
+            check.detail["max_abs_diff"] = max(diffs)
+            for other in passed[1:]:
+                check.problems += compare_outputs(other, baseline)
+        for r in runs:
+            r.output = None  # compared once; free the memory
+        self.checks.append(check)
+        return check
+
+    def record(self, check: CheckResult) -> CheckResult:
+        self.checks.append(check)
+        return check
+
+    # -- summary ----------------------------------------------------------------------
+
+    def counts(self, target: Target) -> dict[str, int]:
+        ran = [r for (label, _), r in self.results.items() if label == target.label]
+        plan = target.plan
+        return {
+            "passed": sum(r.passed for r in ran),
+            "failed": sum(not r.passed for r in ran),
+            "not_applicable": len(plan.not_applicable) if plan else 0,
+            "planned": len(plan.scenarios) if plan else 0,
+        }

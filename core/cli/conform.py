@@ -1,0 +1,154 @@
+"""``pagedkv conform``: the conformance suite (the same pytest suite, in-process), with a
+progress bar, ending with the backend x scenario matrix."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, TextIO
+
+from pagedkv.cli.table import format_table
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "conform",
+        help="Run the conformance suite on backends and print the scenario matrix.",
+        description="Runs `pytest --pyargs pagedkv.conformance` in-process: every scenario "
+        "drawn from each backend's declared capabilities, against the float64 reference.",
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Backend name or config string; repeatable; 'all' = every registered backend "
+        "(default: torch).",
+    )
+    parser.add_argument(
+        "--level", choices=["quick", "full"], default="quick", help="Scenario level."
+    )
+    parser.add_argument("--report", metavar="PATH", help="Write PATH.json and PATH.md.")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present).")
+    parser.add_argument("-k", dest="keyword", metavar="EXPR", help="Only tests matching EXPR.")
+    parser.add_argument("-x", "--exitfirst", action="store_true", help="Stop at the first failure.")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import pytest
+
+    argv = [
+        "--pyargs",
+        "pagedkv.conformance",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:terminal",  # the progress bar and the matrix below replace pytest's output
+        "--conformance-level",
+        args.level,
+    ]
+    for name in args.backend:
+        argv += ["--backend", name]
+    if args.report:
+        argv += ["--conformance-report", args.report]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.keyword:
+        argv += ["-k", args.keyword]
+    if args.exitfirst:
+        argv.append("-x")
+    progress = Progress(sys.stderr)
+    code = int(pytest.main(argv, plugins=[progress]))
+    if progress.config is not None:
+        print_results(progress.config, sys.stdout)
+    return code
+
+
+class Progress:
+    """A pytest plugin drawing one bar (a line per test when not on a terminal)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.total = 0
+        self.done = 0
+        self.failed = 0
+        self.start = time.monotonic()
+        self.config: Any = None
+
+    def pytest_configure(self, config: Any) -> None:
+        self.config = config
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self._line(f"collection error in {report.nodeid or 'session'}:\n{report.longreprtext}")
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        self.total = len(session.items)
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        # one count per test: its call, or its setup when that skipped or failed
+        if report.when != "call" and not (report.when == "setup" and not report.passed):
+            return
+        self.done += 1
+        self.failed += report.failed
+        status = "FAIL" if report.failed else "skip" if report.skipped else "pass"
+        name = _short_name(report.nodeid)
+        if self.tty:
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(
+                f"\r[{bar}] {self.done}/{self.total} {self.failed} failed "
+                f"{time.monotonic() - self.start:5.0f}s  {name[:40]:<40}"
+            )
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        else:
+            self._line(f"[{self.done:>4}/{self.total}] {status} {name} ({report.duration:.2f}s)")
+
+    def _line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _short_name(nodeid: str) -> str:
+    """test_scenario[torch:decode] -> torch:decode; test_copy_blocks[torch] -> copy_blocks torch."""
+    name = nodeid.rsplit("::", 1)[-1]
+    func, _, param = name.partition("[")
+    param = param.rstrip("]")
+    if func == "test_scenario":
+        return param
+    return f"{func.removeprefix('test_')} {param}".strip()
+
+
+def print_results(config: Any, out: TextIO) -> None:
+    """Failures in full, then the matrix and one summary line per backend."""
+    from pagedkv.conformance.plugin import RUN_KEY
+    from pagedkv.conformance.report import matrix_rows, report_data, summary_lines
+
+    run = config.stash.get(RUN_KEY, None)
+    if run is None or not run.collected:
+        return
+    for result in run.results.values():
+        if not result.passed:
+            print(result.report(), file=out)
+    for check in run.checks:
+        if not check.passed:
+            print(f"[{check.subject}] {check.name}: FAIL", file=out)
+            for problem in check.problems:
+                print(f"  - {problem}", file=out)
+    data = report_data(run)
+    print(file=out)
+    print(format_table(*matrix_rows(data)), file=out)
+    print(file=out)
+    print(f"pagedkv conformance, {run.level} level on {run.device}:", file=out)
+    for line in summary_lines(data):
+        print(f"  {line}", file=out)
+    for path in run.report_files:
+        print(f"report: {path}", file=out)

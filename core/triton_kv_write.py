@@ -1,0 +1,289 @@
+"""The Triton KV write: new key/value rows into any strided logical cache view, by slot.
+
+One launch writes K and V (or only K, for MLA's latent cache). Token ``t`` goes to
+block ``slot // block_size``, offset ``slot % block_size`` of each view; negative
+slots (padding) and slots past the pool are skipped, so the kernel never writes
+out of bounds and never syncs the host (``CommonAttentionMetadata.validate`` is
+where bad slots are reported). fp8 caches store ``x / scale`` saturated to the
+format's finite range and rounded to nearest-even, bit for bit what
+``pagedkv.kv_write.quantize_for_cache`` stores. Offsets are 64-bit.
+
+Importing this module imports triton; ``pagedkv`` itself never does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# fp8 cache formats and their mantissa bits (exponent bits: 7 - mantissa bits)
+_FP8_MANTISSA_BITS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+# elements of one program's [BLOCK_R, HEAD_PAD] tile
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _rtne_shift_right(v, r):
+    """v / 2**r rounded to nearest, ties to even, for v >= 0 and 1 <= r <= 31."""
+    q = v >> r
+    rem = v - (q << r)
+    half = 1 << (r - 1)
+    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    return q + round_up.to(tl.int32)
+
+
+@triton.jit
+def fp32_to_fp8_bits(x, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
+    """The fp8 bit pattern (int32 in [0, 255]) of finite fp32 ``x`` inside the format's range.
+
+    Integer rounding instead of a float conversion: Triton's interpreter converts
+    fp32 -> fp8 without ties-to-even and without subnormals, and the cache must be
+    bit-identical on the CPU and the GPU.
+    """
+    BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    exponent = mag >> 23  # biased fp32 exponent
+    # normal result: drop the low mantissa bits (a carry may bump the exponent), re-bias
+    normal = _rtne_shift_right(mag, 23 - MAN_BITS) - ((127 - BIAS) << MAN_BITS)
+    # subnormal result: the significand in units of the smallest subnormal
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum((151 - BIAS - MAN_BITS) - exponent, 1), 31)
+    subnormal = _rtne_shift_right(significand, shift)
+    code = tl.where(exponent < 128 - BIAS, subnormal, normal)
+    code = tl.where(exponent == 0, 0, code)  # fp32 zeros and subnormals
+    return (sign << 7) | code
+
+
+@triton.jit
+def _cache_values(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MAN_BITS: tl.constexpr):
+    """What the cache stores for ``x``: itself, or the fp8 bits of x / scale saturated."""
+    if FP8:
+        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, like torch's
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        exp_bits: tl.constexpr = 7 - MAN_BITS
+        out = fp32_to_fp8_bits(y, exp_bits, MAN_BITS).to(tl.uint8)
+    else:
+        out = x
+    return out
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_slots"])
+def _write_kv_kernel(
+    Key,  # [T, H, D]
+    Value,  # [T, H, Dv] (unused unless HAS_VALUE)
+    KCache,  # [num_blocks, BLOCK_SIZE, H, D] view (uint8 when fp8)
+    VCache,  # [num_blocks, BLOCK_SIZE, H, Dv] view
+    SlotMapping,  # [T'] int64, T' <= T
+    k_scale,
+    v_scale,
+    num_rows,  # T' * H
+    num_slots,  # num_blocks * BLOCK_SIZE
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAN_BITS: tl.constexpr,
+):
+    # rows are (token, head) pairs; each program moves BLOCK_R of them
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    token = rows // NUM_HEADS
+    head = rows % NUM_HEADS
+    slot = tl.load(SlotMapping + token, mask=rows < num_rows, other=-1).to(tl.int64)
+    row_ok = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(row_ok, slot, 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    dims = tl.arange(0, HEAD_PAD)
+    mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+    src = Key + (token * stride_kt + head * stride_kh)[:, None] + dims[None, :] * stride_kd
+    dst = KCache + (block * stride_kcb + offset * stride_kcs + head * stride_kch)[:, None]
+    x = tl.load(src, mask=mask)
+    tl.store(
+        dst + dims[None, :] * stride_kcd,
+        _cache_values(x, k_scale, FP8, FP8_MAX, MAN_BITS),
+        mask=mask,
+    )
+    if HAS_VALUE:
+        dims_v = tl.arange(0, HEAD_PAD_V)
+        mask_v = row_ok[:, None] & (dims_v < HEAD_SIZE_V)[None, :]
+        src_v = (
+            Value + (token * stride_vt + head * stride_vh)[:, None] + dims_v[None, :] * stride_vd
+        )
+        dst_v = VCache + (block * stride_vcb + offset * stride_vcs + head * stride_vch)[:, None]
+        xv = tl.load(src_v, mask=mask_v)
+        tl.store(
+            dst_v + dims_v[None, :] * stride_vcd,
+            _cache_values(xv, v_scale, FP8, FP8_MAX, MAN_BITS),
+            mask=mask_v,
+        )
+
+
+def plan_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[Any, tuple[int], tuple[Any, ...], dict[str, Any]]:
+    """Check the arguments and return the launch ``(kernel, grid, args, kwargs)``.
+
+    key: [T, H, D]; value: [T, H, Dv] or None (MLA: K only);
+    k_view / v_view: [num_blocks, block_size, H, D(v)], any strides;
+    slot_mapping: [T'] int64 (or int32), T' <= T.
+    """
+    _check_rows("key", key, k_view, "k_view")
+    if (value is None) != (v_view is None):
+        raise ValueError("value and v_view must be given together (or both None)")
+    if value is not None:
+        _check_rows("value", value, v_view, "v_view")
+        if v_view.shape[:2] != k_view.shape[:2] or v_view.dtype != k_view.dtype:
+            raise ValueError(
+                f"v_view: expected blocks {tuple(k_view.shape[:2])} and dtype {k_view.dtype} "
+                f"like k_view, got {tuple(v_view.shape[:2])} and {v_view.dtype}"
+            )
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"slot_mapping: expected a 1-D int64 tensor, got {slot_mapping.dtype} "
+            f"of shape {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} rows"
+        )
+    for name, t in (("k_view", k_view), ("v_view", v_view), ("slot_mapping", slot_mapping)):
+        if t is not None and t.device != key.device:
+            raise ValueError(f"{name}: expected on {key.device} like key, got {t.device}")
+
+    fp8 = k_view.dtype in _FP8_MANTISSA_BITS
+    if k_view.dtype.itemsize == 1 and not fp8:
+        raise ValueError(
+            f"k_view: cache dtype {k_view.dtype} is not supported "
+            f"(fp8 caches: {', '.join(str(d) for d in _FP8_MANTISSA_BITS)})"
+        )
+    # fp8 bits are computed in the kernel and stored as bytes
+    k_store = k_view.view(torch.uint8) if fp8 else k_view
+    v_store = None if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
+    num_heads, head_size = key.shape[1], key.shape[2]
+    head_size_v = head_size if value is None else value.shape[2]
+    head_pad = triton.next_power_of_2(head_size)
+    head_pad_v = triton.next_power_of_2(head_size_v)
+    num_rows = slot_mapping.shape[0] * num_heads
+    # fixed per head size (not per batch), so batch sizes never trigger a recompile
+    block_r = max(1, _TILE_ELEMENTS // max(head_pad, head_pad_v))
+    has_value = value is not None
+    val, vcache = (value, v_store) if has_value else (key, k_store)
+    grid = (triton.cdiv(num_rows, block_r),)
+    args = (
+        key,
+        val,
+        k_store,
+        vcache,
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        num_rows,
+        k_view.shape[0] * k_view.shape[1],
+        *key.stride(),
+        *val.stride(),
+        *k_store.stride(),
+        *vcache.stride(),
+    )
+    kwargs = dict(
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_V=head_size_v,
+        HEAD_PAD=head_pad,
+        HEAD_PAD_V=head_pad_v,
+        BLOCK_SIZE=k_view.shape[1],
+        BLOCK_R=block_r,
+        HAS_VALUE=has_value,
+        FP8=fp8,
+        FP8_MAX=float(torch.finfo(k_view.dtype).max) if fp8 else 0.0,
+        MAN_BITS=_FP8_MANTISSA_BITS.get(k_view.dtype, 0),
+        num_warps=4,
+    )
+    return _write_kv_kernel, grid, args, kwargs
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Launch the write (see ``plan_write_kv`` for shapes). Asynchronous on CUDA."""
+    if slot_mapping.shape[0] == 0:
+        return
+    kernel, grid, args, kwargs = plan_write_kv(
+        key, value, k_view, v_view, slot_mapping, k_scale, v_scale
+    )
+    kernel[grid](*args, **kwargs)
+
+
+def interpreting() -> bool:
+    """Whether this module's kernel runs in Triton's interpreter (fixed at import)."""
+    return type(_write_kv_kernel).__name__ == "InterpretedFunction"
+
+
+def fix_interpreter_loop_bounds() -> None:
+    """Let Triton's interpreter take runtime loop bounds under NumPy >= 2.4.
+
+    The interpreter holds scalars as shape-(1,) arrays and converts loop bounds
+    with ``int(array)``, which NumPy 2.4 rejects (triton-lang/triton#9171, fixed
+    after triton 3.6). This re-applies the upstream fix (squeeze first) each time
+    the interpreter patches ``tl.tensor``; it only touches the interpreter.
+    Kernel modules with runtime-bounded loops call it when they are imported.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "fixes_loop_bounds", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.fixes_loop_bounds = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _check_rows(name: str, rows: torch.Tensor, view: torch.Tensor, view_name: str) -> None:
+    if rows.dim() != 3:
+        raise ValueError(f"{name}: expected [T, H, D], got shape {tuple(rows.shape)}")
+    if view.dim() != 4 or tuple(view.shape[2:]) != tuple(rows.shape[1:]):
+        raise ValueError(
+            f"{view_name}: expected [num_blocks, block_size, {rows.shape[1]}, {rows.shape[2]}] "
+            f"to match {name}, got {tuple(view.shape)}"
+        )

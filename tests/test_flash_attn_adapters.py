@@ -1,0 +1,367 @@
+"""FlashAttention backend on the CPU: adapter detection and choice, declared
+capabilities and rejection reasons, layout and write path (FA4's finite-rows rule).
+
+The libraries run only on a GPU; the end-to-end checks here replace each adapter's
+kernel with a model of its documented signature and semantics (FA4
+flash_attn.cute.flash_attn_varlen_func, FA3 flash_attn_interface.flash_attn_with_kvcache,
+FA2 flash_attn.flash_attn_varlen_func): same parameter names, same page-table and
+window rules. That checks how the backend maps a step onto each call; the real FA4
+kernel is checked by tests/test_flash_attn_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pagedkv
+import pytest
+import torch
+from pagedkv import AttentionSpec, CommonAttentionMetadata, UnsupportedError
+from pagedkv.backends.flash_attn import backend as fa_backend
+from pagedkv.backends.flash_attn.adapters import (
+    ADAPTERS,
+    FA2,
+    FA4,
+    Adapter,
+    choose_adapter,
+    installed_adapters,
+)
+from pagedkv.backends.flash_attn.backend import FlashAttnBackend
+from pagedkv.backends.flash_attn.impl import FlashAttnImpl
+from pagedkv.conformance import Scenario, run_scenario
+from pagedkv.kv_write import write_rows_by_slot
+
+ALL = {"fa4": True, "fa3": True, "fa2": True}
+NONE = {"fa4": False, "fa3": False, "fa2": False}
+
+
+# -- choosing an adapter -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("installed", "major", "expected"),
+    [
+        (ALL, 9, "fa3"),  # Hopper: FA3 first
+        ({**ALL, "fa3": False}, 9, "fa4"),
+        (ALL, 10, "fa4"),  # Blackwell: FA3 does not run there
+        ({**NONE, "fa2": True}, 10, "fa2"),
+        (ALL, 8, "fa2"),  # Ampere: FA4 has no paged KV on SM80
+        (ALL, 12, "fa2"),
+        ({**NONE, "fa3": True}, None, "fa3"),  # no GPU: by generation among installed
+        (ALL, None, "fa4"),
+    ],
+)
+def test_auto_picks_the_strongest_installed_adapter_for_the_gpu(installed, major, expected):
+    choice = choose_adapter(None, installed, major)
+    assert choice.adapter is ADAPTERS[expected] and choice.reason == ""
+
+
+def test_choice_says_why_nothing_runs():
+    choice = choose_adapter(None, NONE, 9)
+    assert choice.adapter is None
+    assert choice.reason == (
+        "no FlashAttention adapter can run: "
+        "fa3: FlashAttention-3 is not installed (pip distribution 'flash_attn_3', module "
+        "flash_attn_interface); "
+        "fa4: FlashAttention-4 is not installed (pip distribution 'flash-attn-4', module "
+        "flash_attn.cute); "
+        "fa2: FlashAttention-2 is not installed (pip distribution 'flash-attn', module flash_attn)"
+    )
+    wrong_arch = choose_adapter(None, {**NONE, "fa3": True}, 8)
+    assert wrong_arch.reason == (
+        "no FlashAttention adapter can run: fa2: FlashAttention-2 is not installed "
+        "(pip distribution 'flash-attn', module flash_attn)"
+    )
+
+
+def test_forced_adapter_must_be_installed_and_fit_the_gpu():
+    assert choose_adapter("fa2", ALL, 9).adapter is FA2
+    assert choose_adapter("fa3", {**ALL, "fa3": False}, 9).reason == (
+        "impl=fa3: FlashAttention-3 is not installed (pip distribution 'flash_attn_3', "
+        "module flash_attn_interface)"
+    )
+    assert choose_adapter("fa3", ALL, 10).reason == (
+        "impl=fa3: FlashAttention-3 runs Hopper (SM90) only; this GPU is SM10x"
+    )
+    assert choose_adapter("fa4", ALL, 8).reason == (
+        "impl=fa4: FlashAttention-4 runs paged KV on SM90 and SM100/SM110 only; this GPU is SM8x"
+    )
+
+
+def _package(root, name, files):
+    for rel, text in files.items():
+        path = root / name / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_detection_imports_nothing(tmp_path, monkeypatch):
+    # FA4 alone: flash_attn is a namespace holding cute/
+    fa4_site = tmp_path / "fa4"
+    _package(fa4_site, "flash_attn", {"cute/__init__.py": "raise RuntimeError('imported')"})
+    monkeypatch.syspath_prepend(str(fa4_site))
+    assert installed_adapters() == {"fa4": True, "fa3": False, "fa2": False}
+    # FA2's regular package, whose __init__ must not run just to look
+    fa2_site = tmp_path / "fa2"
+    _package(fa2_site, "flash_attn", {"__init__.py": "raise RuntimeError('imported')"})
+    (fa2_site / "flash_attn_2_cuda.py").write_text("raise RuntimeError('imported')")
+    (fa2_site / "flash_attn_interface.py").write_text("raise RuntimeError('imported')")
+    monkeypatch.syspath_prepend(str(fa2_site))
+    assert installed_adapters() == {"fa4": False, "fa3": True, "fa2": True}
+
+
+# -- the backend's declarations --------------------------------------------------------
+
+SPEC = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=16)
+
+
+def test_layout_and_options():
+    backend = pagedkv.get_backend("flash_attn", impl="fa4")
+    assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+    assert backend.layout == "(2, num_blocks, block_size, num_kv_heads, head_size)"
+    cache = backend.allocate_kv_cache(3, SPEC, "cpu")
+    k, v = backend.kv_cache_to_logical(cache, SPEC)
+    assert k.data_ptr() == cache.data_ptr() and v.data_ptr() == cache[1].data_ptr()
+    with pytest.raises(pagedkv.ConfigError, match=r"impl='fa1': expected one of fa4, fa3, fa2"):
+        FlashAttnBackend(impl="fa1")
+
+
+def test_validate_reasons_follow_the_adapter():
+    fa4, fa3, fa2 = (FlashAttnBackend(impl=n) for n in ("fa4", "fa3", "fa2"))
+    assert fa4.validate(SPEC) == [] and fa3.validate(SPEC) == []
+    assert fa2.validate(SPEC) == [
+        "block_size 16 not supported by flash_attn (fa2) (supports multiple of 256)"
+    ]
+    assert fa2.validate(SPEC.replace(block_size=512)) == []
+    sinks = SPEC.replace(use_sinks=True)
+    assert fa4.validate(sinks) == []
+    assert fa3.validate(sinks) == ["sinks is not supported by flash_attn (fa3)"]
+    alibi = SPEC.replace(block_size=256, alibi_slopes=tuple(2.0**-i for i in range(1, 9)))
+    assert fa2.validate(alibi) == []
+    (reason,) = fa2.validate(alibi.replace(causal=False))
+    assert reason.startswith("alibi with non-causal attention is not supported by flash_attn (fa2)")
+    assert fa4.validate(alibi) == ["alibi is not supported by flash_attn (fa4)"]
+    fp8 = SPEC.replace(kv_cache_dtype="fp8_e4m3")
+    for backend in (fa4, fa3):
+        assert backend.validate(fp8) == [
+            f"kv_cache_dtype 'fp8_e4m3' not supported by flash_attn ({backend.adapter.name}) "
+            "(supports auto)",
+            f"fp8_kv is not supported by flash_attn ({backend.adapter.name})",
+        ]
+    assert fa4.validate(SPEC.replace(head_size=192)) == [
+        "head_size 192 not supported by flash_attn (fa4) (supports multiple of 8 in [8, 128], 256)"
+    ]
+    assert fa3.validate(SPEC.replace(head_size=192)) == []
+    assert fa4.validate(SPEC, device="cpu") == [
+        "device cpu not supported by flash_attn (supports cuda)"
+    ]
+    assert "dtype float32 not supported" in fa4.validate(SPEC.replace(dtype=torch.float32))[0]
+    window = SPEC.replace(sliding_window=32, logits_soft_cap=30.0, causal=False)
+    assert fa4.validate(window) == fa3.validate(window) == []
+
+
+def test_is_available_names_the_adapter_or_why_not(monkeypatch):
+    monkeypatch.setattr(fa_backend, "installed_adapters", lambda: {**NONE, "fa4": True})
+    if not torch.cuda.is_available():
+        assert FlashAttnBackend().is_available() == (
+            False,
+            "no CUDA device (torch.cuda.is_available() is False); "
+            f"{FA4.describe()} would run on one",
+        )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(
+        Adapter, "load", lambda self: (_ for _ in ()).throw(ImportError("no triton"))
+    )
+    assert FlashAttnBackend().is_available() == (
+        False,
+        f"{FA4.describe()} is installed but importing flash_attn.cute.flash_attn_varlen_func "
+        "failed: ImportError: no triton",
+    )
+    monkeypatch.setattr(Adapter, "load", lambda self: _fake_fa4)
+    assert FlashAttnBackend().is_available() == (True, f"runs {FA4.describe()}")
+    available, why = FlashAttnBackend(impl="fa3").is_available()
+    assert not available and why.startswith("impl=fa3: FlashAttention-3 is not installed")
+    with pytest.raises(UnsupportedError, match="impl=fa3: FlashAttention-3 is not installed"):
+        FlashAttnBackend(impl="fa3").make_impl(SPEC)
+
+
+# -- the pool and the write path keep FA4's last-page rows finite ------------------------
+
+
+def test_pool_is_zero_filled_and_writes_stay_finite():
+    backend = FlashAttnBackend(impl="fa4")
+    cache = backend.allocate_kv_cache(4, SPEC, "cpu")
+    assert not cache.any()
+    # 5 tokens in a 16-token block: rows 5..15 of block 2 are read by FA4's TMA loads
+    md = CommonAttentionMetadata.from_requests([5], [5], [[2]], 16, num_tokens=7)
+    key = torch.full((7, 2, 64), 60000.0).half()  # near fp16's max, still finite
+    value = torch.randn(7, 2, 64).half()
+    impl = FlashAttnImpl(SPEC, adapter=FA4)  # the write path needs no library
+    impl.write_kv(key, value, cache, backend.get_builder_cls()(SPEC, "cpu").build(md))
+    assert torch.isfinite(cache).all()
+    assert torch.equal(cache[0, 2, :5], key[:5]) and not cache[:, 2, 5:].any()
+    assert not cache[:, [0, 1, 3]].any()  # padding rows (slot -1) were not written
+    # fp8 pools (the same writer, kv_write) saturate instead of storing inf/NaN
+    fp8 = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float8_e5m2)
+    write_rows_by_slot(torch.full((7, 2, 64), 1e9), fp8[0], md.slot_mapping, scale=0.5)
+    stored = fp8.float()
+    assert torch.isfinite(stored).all()
+    assert (stored[0, 2, :5] == torch.finfo(torch.float8_e5m2).max).all()
+
+
+# -- models of the three kernels ---------------------------------------------------------
+
+
+def _paged(q, k_cache, v_cache, qsl, seq_lens, table, *, scale, causal, left, right,
+           softcap, sinks=None, alibi=None, check_finite_tail=False):  # fmt: skip
+    """Paged attention as FlashAttention documents it, in float64."""
+    bs = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    qsl, seq_lens = qsl.tolist(), seq_lens.tolist()
+    for b in range(len(seq_lens)):
+        n, ql = seq_lens[b], qsl[b + 1] - qsl[b]
+        if ql == 0:
+            continue
+        pages = table[b, : -(-n // bs)].long()
+        k_rows, v_rows = k_cache[pages].flatten(0, 1), v_cache[pages].flatten(0, 1)
+        if check_finite_tail:  # FA4: a tile loads the whole last page
+            assert (
+                torch.isfinite(k_rows[n:].float()).all()
+                and torch.isfinite(v_rows[n:].float()).all()
+            )
+        k = k_rows[:n].double().repeat_interleave(group, 1)
+        v = v_rows[:n].double().repeat_interleave(group, 1)
+        qi = q[qsl[b] : qsl[b + 1]].double()
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(n - ql, n)[:, None]
+        key = torch.arange(n)[None, :]
+        keep = torch.ones(ql, n, dtype=torch.bool)
+        if causal:
+            keep &= key <= pos
+        if left is not None and left >= 0:
+            keep &= key >= pos - left
+        if right is not None and right >= 0:
+            keep &= key <= pos + right
+        if alibi is not None:
+            s = s - alibi.double().view(-1, 1, 1) * (pos - key).abs()
+        s = s.masked_fill(~keep, -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, ql, 1)], -1)
+        o = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :n], v)
+        out[qsl[b] : qsl[b + 1]] = o
+    return out.to(q.dtype)
+
+
+def _fake_fa4(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None,
+              gather_kv_indices=None, page_table=None, softmax_scale=None, causal=False,
+              window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+              pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None,
+              mask_mod=None, block_sparse_tensors=None, aux_tensors=None, aux_scalars=None,
+              return_lse=False, scheduler_metadata=None, seqlen_k_per_split=None,
+              disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
+              gather_bwd_token_chunk=None):  # fmt: skip
+    assert page_table is not None and seqused_k is not None and cu_seqlens_k is None
+    assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+    assert q.dtype == k.dtype == v.dtype
+    assert learnable_sink is None or learnable_sink.dtype == torch.float32
+    left, right = window_size
+    out = _paged(q, k, v, cu_seqlens_q, seqused_k, page_table, scale=softmax_scale,
+                 causal=causal, left=left, right=0 if causal else right, softcap=softcap,
+                 sinks=learnable_sink, check_finite_tail=True)  # fmt: skip
+    return out, None
+
+
+def _fake_fa3(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+              cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+              cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+              q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+              window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+              scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+              return_softmax_lse=False):  # fmt: skip
+    assert page_table is not None and cu_seqlens_q is not None and max_seqlen_q is not None
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    left, right = window_size
+    return _paged(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table,
+                  scale=softmax_scale, causal=causal, left=left,
+                  right=0 if causal else right, softcap=softcap)  # fmt: skip
+
+
+def _fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, deterministic=False, return_attn_probs=False,
+              block_table=None):  # fmt: skip
+    assert block_table is not None and k.shape[1] % 256 == 0, "FA2 pages are multiples of 256"
+    assert alibi_slopes is None or alibi_slopes.dtype == torch.float32
+    seq_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    left, right = window_size
+    return _paged(q, k, v, cu_seqlens_q, seq_lens, block_table, scale=softmax_scale,
+                  causal=causal, left=left, right=0 if causal else right, softcap=softcap,
+                  alibi=alibi_slopes)  # fmt: skip
+
+
+FAKES = {"fa4": _fake_fa4, "fa3": _fake_fa3, "fa2": _fake_fa2}
+
+
+class CPUFlashAttn(FlashAttnBackend):
+    """The real backend with the device check lifted, to run against the models."""
+
+    def validate(self, spec, device=None):
+        return super().validate(spec, None)
+
+
+MIXED = dict(seq_lens=(1, 17, 33, 64, 40, 5), query_lens=(1, 17, 5, 1, 8, 0))
+LONG = dict(seq_lens=(300, 520, 7), query_lens=(1, 40, 7))
+SCENARIOS = {
+    "fa4": [
+        Scenario("mixed-padded", **MIXED, num_padding_tokens=3),
+        Scenario("prefill-block5", seq_lens=(23, 9), query_lens=(23, 9), block_size=5),
+        Scenario("window-softcap", **MIXED, sliding_window=9, logits_soft_cap=5.0),
+        Scenario("sinks-bf16", **MIXED, use_sinks=True, dtype=torch.bfloat16),
+        Scenario("non-causal-window", seq_lens=(30, 12), query_lens=(30, 12), causal=False,
+                 sliding_window=9),
+    ],
+    "fa3": [
+        Scenario("mixed-padded", **MIXED, num_padding_tokens=3),
+        Scenario("window-softcap-gqa5", **MIXED, num_heads=10, sliding_window=9,
+                 logits_soft_cap=5.0),
+        Scenario("non-causal-window", seq_lens=(30, 12), query_lens=(30, 12), causal=False,
+                 sliding_window=9),
+    ],
+    "fa2": [
+        Scenario("mixed-block256", **LONG, block_size=256, num_padding_tokens=2),
+        Scenario("alibi-window-softcap", **LONG, block_size=256, alibi=True, sliding_window=100,
+                 logits_soft_cap=20.0),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("impl", "scenario"),
+    [(i, s) for i, scenarios in SCENARIOS.items() for s in scenarios],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
+def test_adapter_calls_match_reference(monkeypatch, impl, scenario):
+    monkeypatch.setattr(fa_backend, "installed_adapters", lambda: dict(ALL))
+    monkeypatch.setattr(Adapter, "load", lambda self: FAKES[self.name])
+    backend = CPUFlashAttn(impl=impl)
+    result = run_scenario(backend, scenario, "cpu", backend_label=repr(backend))
+    assert result.passed, result.report()
+
+
+def test_forward_checks_the_cache(monkeypatch):
+    monkeypatch.setattr(fa_backend, "installed_adapters", lambda: dict(ALL))
+    backend = CPUFlashAttn(impl="fa3")
+    md = backend.make_builder(SPEC, "cpu").build(
+        CommonAttentionMetadata.from_requests([5], [1], [[1]], 16)
+    )
+    q = torch.randn(1, 8, 64).half()
+    wrong = torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16)  # FlashInfer's NHD order
+    with pytest.raises(
+        UnsupportedError, match=r"kv_cache: expected shape \[2, num_blocks, 16, 2, 64\]"
+    ):
+        backend.make_impl(SPEC).forward(q, None, None, wrong, md)

@@ -1,0 +1,491 @@
+"""The FlashInfer backend's plumbing on the CPU: CSR conversion, batch split, plan()
+arguments, run() calls and the scatter back to token order, checked end to end
+against the float64 reference.
+
+FlashInfer's kernels need a GPU, so here its three wrappers are replaced by a model
+of their documented plan()/run() contract (flashinfer 0.7.2 decode.py / prefill.py /
+attention/_core.py): the same constructor and plan() keyword names (an unknown one
+raises TypeError), the same paged-KV reading rules (CSR pages, last_page_len,
+NHD/HND 5-D caches, window_left inclusive, sm_scale * k_scale, out * v_scale).
+The real kernels are checked by tests/test_flashinfer_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pagedkv
+import pytest
+import torch
+from pagedkv import AttentionSpec, CommonAttentionMetadata, UnsupportedError
+from pagedkv.backends.flashinfer import impl as fi_impl
+from pagedkv.backends.flashinfer.backend import FlashInferBackend
+from pagedkv.conformance import Scenario, run_scenario
+
+# -- a model of FlashInfer's wrappers ------------------------------------------------
+
+
+def _attend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: str,
+    plan: dict,
+    *,
+    causal: bool,
+    k_scale: float | None,
+    v_scale: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """What a FlashInfer paged run computes, in float64."""
+    k_cache, v_cache = kv_cache.unbind(1)
+    if layout == "HND":  # [pages, heads, page_size, dim] -> [pages, page_size, heads, dim]
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    ps, wl, cap = plan["page_size"], plan["window_left"], plan["logits_soft_cap"]
+    indptr, indices = plan["indptr"].tolist(), plan["indices"].cpu().long()
+    last, qo = plan["last_page_len"].tolist(), plan["qo_indptr"].tolist()
+    group = plan["num_qo_heads"] // plan["num_kv_heads"]
+    scale = plan["sm_scale"] * (1.0 if k_scale is None else k_scale)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(len(last)):
+        pages = indices[indptr[i] : indptr[i + 1]]
+        kv_len = max(len(pages) - 1, 0) * ps + last[i]
+        k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
+        v = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
+        qi = q[qo[i] : qo[i + 1]].double()
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        pos = torch.arange(kv_len - qi.shape[0], kv_len)[:, None]
+        key = torch.arange(kv_len)[None, :]
+        keep = torch.ones(qi.shape[0], kv_len, dtype=torch.bool)
+        if causal:
+            keep &= key <= pos
+        if wl >= 0:
+            keep &= pos - key <= wl
+        s = s.masked_fill(~keep, -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, s.shape[1], 1)], -1)
+        p = torch.softmax(s, -1)[..., :kv_len]
+        o = torch.einsum("hqk,khd->qhd", p, v)
+        out[qo[i] : qo[i + 1]] = o * (1.0 if v_scale is None else v_scale)
+    return out
+
+
+class _Wrapper:
+    calls: list  # every (wrapper kind, method, kwargs), for the tests to inspect
+
+    def _check_run(self, q, kv_cache, out):
+        assert self.plan_args is not None, "run() before plan()"
+        assert q.dtype == self.plan_args["q_data_type"], "q dtype differs from plan()"
+        assert kv_cache.dtype == self.plan_args["kv_data_type"], "kv dtype differs from plan()"
+        assert q.shape[0] == self.plan_args["qo_indptr"][-1], "q rows differ from plan()"
+        if out is not None:
+            assert out.shape == q.shape and out.dtype == self.plan_args["o_data_type"]
+
+    def _finish(self, result, out):
+        result = result.to(self.plan_args["o_data_type"])
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+
+class FakeDecode(_Wrapper):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+        backend="auto",
+        jit_args=None,
+    ):
+        self.layout, self.graph, self.tensor_cores = kv_layout, use_cuda_graph, use_tensor_cores
+        self.buffers = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
+        if use_cuda_graph:
+            assert all(torch.is_tensor(b) for b in self.buffers), "cudagraph needs buffers"
+        self.plan_args = None
+        self.calls.append(("decode", "init", {"use_cuda_graph": use_cuda_graph}))
+
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        pos_encoding_mode="NONE",
+        window_left=-1,
+        window_right=0,
+        logits_soft_cap=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        sm_scale=None,
+        non_blocking=True,
+    ):
+        batch = len(last_page_len)
+        if self.graph:
+            assert batch == len(self.buffers[2]), "batch size is fixed in cudagraph mode"
+            assert len(indices) <= len(self.buffers[1]), "indices exceed the buffer"
+        self.plan_args = dict(
+            indptr=indptr,
+            indices=indices,
+            last_page_len=last_page_len,
+            qo_indptr=torch.arange(batch + 1),
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            page_size=page_size,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap or 0.0,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type or q_data_type,
+            o_data_type=o_data_type or q_data_type,
+            sm_scale=sm_scale or head_dim**-0.5,
+        )
+        self.calls.append(("decode", "plan", dict(self.plan_args, pos=pos_encoding_mode)))
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None):
+        assert not args, "the decode wrapper takes no extra run() arguments here"
+        self._check_run(q, paged_kv_cache, out)
+        result = _attend(
+            q,
+            paged_kv_cache,
+            self.layout,
+            self.plan_args,
+            causal=False,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=None,
+        )
+        self.calls.append(("decode", "run", {"rows": q.shape[0], "out": out is not None}))
+        return self._finish(result, out)
+
+
+class FakePrefill(_Wrapper):
+    kind = "prefill"
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        jit_args=None,
+        jit_kwargs=None,
+        variant_owns_mask=False,
+    ):
+        assert backend in ("auto", "fa2", "fa3")
+        self.layout, self.plan_args = kv_layout, None
+        self.calls.append((self.kind, "init", {"backend": backend}))
+
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        head_dim_vo=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        causal=False,
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        sm_scale=None,
+        window_left=-1,
+        logits_soft_cap=None,
+        rope_scale=None,
+        rope_theta=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking=True,
+    ):
+        self.causal = causal
+        self.plan_args = dict(
+            indptr=paged_kv_indptr,
+            indices=paged_kv_indices,
+            last_page_len=paged_kv_last_page_len,
+            qo_indptr=qo_indptr,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            page_size=page_size,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap or 0.0,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type or q_data_type,
+            o_data_type=o_data_type or q_data_type,
+            sm_scale=sm_scale or head_dim_qk**-0.5,
+        )
+        self.calls.append((self.kind, "plan", dict(self.plan_args, causal=causal)))
+
+    def run(
+        self,
+        q,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out=None,
+        sinks=None,
+    ):
+        # the real fa2/fa3 paths drop run(sinks=...): nothing may pass it here
+        assert sinks is None, "run(sinks=) is ignored by FlashInfer's fa2/fa3 kernels"
+        self._check_run(q, paged_kv_cache, out)
+        result = _attend(
+            q,
+            paged_kv_cache,
+            self.layout,
+            self.plan_args,
+            causal=self.causal,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=self._sinks(args),
+        )
+        self.calls.append((self.kind, "run", {"rows": q.shape[0], "out": out is not None}))
+        return self._finish(result, out)
+
+    def _sinks(self, args):
+        assert not args, "the plain prefill wrapper takes no extra run() arguments"
+
+
+class FakeSink(FakePrefill):
+    kind = "sink"
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        head_dim_qk=128,
+        head_dim_vo=128,
+        window_left=-1,
+    ):
+        super().__init__(float_workspace_buffer, kv_layout, backend=backend)
+        self.built = dict(q=q_data_type, kv=kv_data_type, d=head_dim_qk, window_left=window_left)
+
+    def plan(self, *args, **kwargs):
+        super().plan(*args, **kwargs)
+        # the variant is compiled for one window and one dtype pair
+        assert self.plan_args["window_left"] == self.built["window_left"]
+        assert self.plan_args["q_data_type"] == self.built["q"]
+        assert self.plan_args["kv_data_type"] == self.built["kv"]
+
+    def _sinks(self, args):
+        (sinks,) = args
+        assert sinks.dtype == torch.float32 and sinks.shape == (self.plan_args["num_qo_heads"],)
+        return sinks
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(_Wrapper, "calls", log, raising=False)
+    fake = SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FakeDecode,
+        BatchPrefillWithPagedKVCacheWrapper=FakePrefill,
+        BatchAttentionWithAttentionSinkWrapper=FakeSink,
+    )
+    monkeypatch.setattr(fi_impl, "load_flashinfer", lambda: fake)
+    monkeypatch.setattr(fi_impl, "WORKSPACE_BYTES", 1024)  # no 128 MiB on the test host
+    return log
+
+
+class CPUFlashInfer(FlashInferBackend):
+    """The real backend, allowed on the CPU so its plumbing runs against the model."""
+
+    capabilities = dataclasses.replace(
+        FlashInferBackend.capabilities, devices=frozenset({"cpu", "cuda"})
+    )
+
+
+# -- end to end against the reference ----------------------------------------------
+
+MIXED = dict(seq_lens=(1, 17, 33, 64, 40, 5), query_lens=(1, 17, 5, 1, 8, 0))
+ORDERED = dict(seq_lens=(9, 32, 16, 40), query_lens=(1, 1, 16, 7))  # decodes first
+SCENARIOS = [
+    Scenario("mixed-padded", **MIXED, num_padding_tokens=3),
+    Scenario("decode-first", **ORDERED),
+    Scenario("pure-decode-exact-pages", seq_lens=(16, 32, 48), query_lens=(1, 1, 1)),
+    Scenario("prefill-block5", seq_lens=(23, 9), query_lens=(23, 9), block_size=5),
+    Scenario("gqa5-bf16-d128", **MIXED, num_heads=10, num_kv_heads=2, head_size=128,
+             dtype=torch.bfloat16),
+    Scenario("window-smaller-than-block", **MIXED, sliding_window=5),
+    Scenario("window-softcap", **MIXED, sliding_window=20, logits_soft_cap=5.0),
+    Scenario("sinks", **MIXED, use_sinks=True),
+    Scenario("sinks-window", **MIXED, use_sinks=True, sliding_window=7),
+    Scenario("non-causal", seq_lens=(30, 12, 7), query_lens=(30, 12, 1), causal=False),
+    Scenario("fp8-e4m3", **MIXED, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0),
+    Scenario("fp8-e5m2", **MIXED, kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=1.5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_plumbing_matches_reference(calls, scenario, layout):
+    backend = CPUFlashInfer(kv_layout=layout)
+    result = run_scenario(backend, scenario, "cpu", backend_label=repr(backend))
+    assert result.passed, result.report()
+    kinds = {c[0] for c in calls if c[1] == "run"}
+    query_lens = scenario.query_lens
+    if scenario.use_sinks:  # every row through the sink variant
+        assert kinds == {"sink"}
+    else:
+        assert ("decode" in kinds) == (1 in query_lens)
+        assert ("prefill" in kinds) == any(q > 1 for q in query_lens)
+
+
+def test_plan_arguments(calls):
+    spec = AttentionSpec(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        block_size=16,
+        sliding_window=20,
+        logits_soft_cap=30.0,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    builder = CPUFlashInfer(prefill_backend="fa2").make_builder(spec, "cpu")
+    common = CommonAttentionMetadata.from_requests(
+        [17, 40], [1, 8], [[3, 4], [5, 6, 7]], block_size=16
+    )
+    builder.build(common)
+    plans = {c[0]: c[2] for c in calls if c[1] == "plan"}
+    inits = {c[0]: c[2] for c in calls if c[1] == "init"}
+    assert inits["prefill"] == {"backend": "fa2"}
+    decode, prefill = plans["decode"], plans["prefill"]
+    assert decode["window_left"] == prefill["window_left"] == 19  # inclusive bound: w - 1
+    assert decode["logits_soft_cap"] == 30.0 and decode["sm_scale"] == 64**-0.5
+    assert decode["kv_data_type"] == torch.float8_e4m3fn
+    assert decode["q_data_type"] == decode["o_data_type"] == torch.float16
+    assert decode["indptr"].tolist() == [0, 2] and decode["last_page_len"].tolist() == [1]
+    assert decode["indices"].tolist() == [3, 4]
+    assert prefill["qo_indptr"].tolist() == [0, 8] and prefill["causal"] is True
+    assert prefill["indices"].tolist() == [5, 6, 7] and prefill["last_page_len"].tolist() == [8]
+
+
+def test_wrappers_and_workspace_are_created_once(calls):
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=4
+    )
+    builder = CPUFlashInfer().make_builder(spec, "cpu")
+    workspace = builder.workspace
+    for step in range(3):
+        builder.build(
+            CommonAttentionMetadata.from_requests(
+                [5 + step, 9], [1, 3], [[1, 2], [3, 4, 5]], block_size=4
+            )
+        )
+    assert [c[0] for c in calls if c[1] == "init"] == ["decode", "prefill"]
+    assert len([c for c in calls if c[1] == "plan"]) == 6
+    assert builder.workspace is workspace
+
+
+def _decode_setup():
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=4
+    )
+    backend = CPUFlashInfer()
+    builder, impl = backend.make_builder(spec, "cpu"), backend.make_impl(spec)
+    cache = backend.allocate_kv_cache(16, spec, "cpu")
+    return builder, impl, cache
+
+
+def test_cuda_graph_build_uses_a_fixed_buffer_wrapper_per_batch_size(calls):
+    builder, impl, cache = _decode_setup()
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    step1 = CommonAttentionMetadata.from_requests([5, 9, 2], [1, 1, 1], tables, block_size=4)
+    step2 = CommonAttentionMetadata.from_requests([6, 10, 3], [1, 1, 1], tables, block_size=4)
+    md1 = builder.build(step1, cuda_graph=True)
+    md2 = builder.build(step2, cuda_graph=True)
+    graph_inits = [c for c in calls if c[1] == "init" and c[2].get("use_cuda_graph")]
+    assert len(graph_inits) == 1  # one wrapper for batch size 3, re-planned
+    assert [c[0] for c in calls if c[1] == "init"] == ["decode"]  # no prefill wrapper made
+    assert md2.cuda_graph and md2.launches[0].rows == slice(0, 3)
+    q = torch.randn(3, 4, 64).half()
+    impl.forward(q, None, None, cache, md2)
+    with pytest.raises(UnsupportedError, match="stale FlashInfer plan"):
+        impl.forward(q, None, None, cache, md1)
+
+
+def test_cuda_graph_build_rejects_non_decode_steps_and_overflow(calls):
+    builder, _impl, _cache = _decode_setup()
+    mixed = CommonAttentionMetadata.from_requests([5, 9], [1, 3], [[1, 2], [3, 4, 5]], 4)
+    with pytest.raises(UnsupportedError, match=r"pure-decode step .* query lengths \[1, 3\]"):
+        builder.build(mixed, cuda_graph=True)
+    empty_req = CommonAttentionMetadata.from_requests([5, 9], [1, 0], [[1, 2], [3, 4, 5]], 4)
+    with pytest.raises(UnsupportedError, match="pure-decode"):
+        builder.build(empty_req, cuda_graph=True)
+    small = CommonAttentionMetadata.from_requests([4, 4], [1, 1], [[1], [2]], 4)
+    builder.build(small, cuda_graph=True)  # sizes the buffers: 2 requests x 1 block
+    grown = CommonAttentionMetadata.from_requests([5, 5], [1, 1], [[1, 3], [2, 4]], 4)
+    with pytest.raises(UnsupportedError, match="needs 4 pages .* sized for 2"):
+        builder.build(grown, cuda_graph=True)
+
+
+def test_capture_refuses_metadata_built_without_cuda_graph(calls, monkeypatch):
+    builder, impl, cache = _decode_setup()
+    md = builder.build(CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4))
+    monkeypatch.setattr(fi_impl, "_capturing", lambda: True)
+    with pytest.raises(UnsupportedError, match="without cuda_graph=True"):
+        impl.forward(torch.randn(1, 4, 64).half(), None, None, cache, md)
+    graph_md = builder.build(
+        CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4), cuda_graph=True
+    )
+    impl.forward(torch.randn(1, 4, 64).half(), None, None, cache, graph_md)
+
+
+def test_forward_rejects_a_cache_of_the_other_layout(calls):
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=4
+    )
+    nhd, hnd = CPUFlashInfer(kv_layout="NHD"), CPUFlashInfer(kv_layout="HND")
+    md = nhd.make_builder(spec, "cpu").build(
+        CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4)
+    )
+    wrong = hnd.allocate_kv_cache(4, spec, "cpu")
+    with pytest.raises(UnsupportedError, match=r"kv_cache: expected the NHD shape"):
+        nhd.make_impl(spec).forward(torch.randn(1, 4, 64).half(), None, None, wrong, md)
+    fp8 = torch.zeros(nhd.get_kv_cache_shape(4, 4, 2, 64), dtype=torch.float8_e4m3fn)
+    with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float16"):
+        nhd.make_impl(spec).forward(torch.randn(1, 4, 64).half(), None, None, fp8, md)
+
+
+def test_registered_under_its_entry_point():
+    backend = pagedkv.get_backend("flashinfer", kv_layout="HND")
+    assert isinstance(backend, FlashInferBackend) and backend.kv_layout == "HND"

@@ -1,0 +1,127 @@
+"""The MLA backend on a GPU: DeepSeek dims, 128 heads, bf16, long contexts, 64-bit
+offsets, and every kernel variant the benchmark sweep may choose.
+
+    python -m pytest -q tests/test_mla_gpu.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from pagedkv.conformance import Scenario, reproduce
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU runs test_mla_backend.py)"
+)
+
+DEEPSEEK = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, block_size=64
+)
+BF16 = dict(DEEPSEEK, dtype=torch.bfloat16, num_heads=128)
+
+SCENARIOS = [
+    (
+        "mla",
+        Scenario("decode-128h", seq_lens=(1, 63, 64, 65, 4100, 700), query_lens=(1,) * 6, **BF16),
+    ),
+    (
+        "mla",
+        Scenario(
+            "mixed-128h",
+            seq_lens=(900, 77, 300, 130),
+            query_lens=(1, 77, 40, 3),
+            num_padding_tokens=5,
+            **BF16,
+        ),
+    ),
+    ("mla", Scenario("long-decode-split", seq_lens=(16384 + 7, 33), query_lens=(1, 1), **BF16)),
+    (
+        "mla(num_splits=7)",
+        Scenario("forced-split-prefill", seq_lens=(1000, 260), query_lens=(300, 1), **BF16),
+    ),
+    (
+        "mla",
+        Scenario(
+            "heads-16",
+            seq_lens=(2000, 5, 640),
+            query_lens=(1, 5, 2),
+            **DEEPSEEK,
+            num_heads=16,
+            dtype=torch.bfloat16,
+        ),
+    ),
+    (
+        "mla",
+        Scenario(
+            "fp8-e4m3",
+            seq_lens=(900, 77),
+            query_lens=(1, 9),
+            kv_cache_dtype="fp8_e4m3",
+            k_scale=0.5,
+            **BF16,
+        ),
+    ),
+    (
+        "mla",
+        Scenario(
+            "fp8-e5m2",
+            seq_lens=(900, 77),
+            query_lens=(1, 9),
+            kv_cache_dtype="fp8_e5m2",
+            k_scale=0.25,
+            **BF16,
+        ),
+    ),
+    (
+        "mla",
+        Scenario(
+            "float16", seq_lens=(900, 77), query_lens=(1, 9), **dict(BF16, dtype=torch.float16)
+        ),
+    ),
+    (
+        "mla",
+        Scenario(
+            "float32", seq_lens=(300, 77), query_lens=(1, 9), **dict(BF16, dtype=torch.float32)
+        ),
+    ),
+    (
+        "mla",
+        Scenario("block-16", seq_lens=(900, 77), query_lens=(1, 9), **dict(BF16, block_size=16)),
+    ),
+    ("mla", Scenario("non-causal", seq_lens=(200, 77), query_lens=(200, 77), causal=False, **BF16)),
+    # > 2**31 cache elements: block offsets need 64 bits
+    (
+        "mla",
+        Scenario(
+            "many-blocks",
+            seq_lens=(4096 + 3, 700, 1),
+            query_lens=(1, 64, 1),
+            min_num_blocks=58400,
+            **BF16,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "scenario"), SCENARIOS, ids=[s.name for _, s in SCENARIOS])
+def test_matches_unabsorbed_reference_on_gpu(config, scenario):
+    result = reproduce(config, scenario, "cuda")
+    assert result.passed, result.report()
+
+
+SWEEP = [
+    f"mla(block_n={n}, num_stages={st}, lazy_rescale={lazy}, use_tma={tma}, num_splits={sp})"
+    for n, st, lazy, tma, sp in itertools.product(
+        (32, 64), (1, 2, 3), (True, False), (True, False), (1, 3)
+    )
+    if not (n == 64 and st == 3)  # does not fit shared memory
+]
+
+
+@pytest.mark.parametrize("config", SWEEP)
+def test_every_sweep_variant_is_correct(config):
+    scenario = Scenario("sweep", seq_lens=(1500, 64, 200), query_lens=(1, 1, 30), **BF16)
+    result = reproduce(config, scenario, "cuda")
+    assert result.passed, result.report()

@@ -1,0 +1,125 @@
+"""GPU-only checks of the Triton backend: CUDA-graph replay with new metadata, and
+caches past 2**31 elements. Skipped on a CPU (they need compiled kernels)."""
+
+from __future__ import annotations
+
+import pagedkv
+import pytest
+import torch
+from pagedkv import AttentionSpec, CommonAttentionMetadata
+from pagedkv.backends.triton.builder import TritonMetadataBuilder
+from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
+from pagedkv.reference import reference_attention
+from pagedkv.spec import alibi_slopes
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)"
+)
+
+BACKEND = pagedkv.get_backend("triton")
+
+
+def _random_step(gen, num_reqs, max_tokens, max_blocks, block_size, pool, device):
+    """A decode step: num_reqs requests of one query token each, random lengths and
+    distinct random blocks from ``pool`` (block 0 stays the null block)."""
+    seq_lens = torch.randint(1, max_blocks * block_size + 1, (num_reqs,), generator=gen).tolist()
+    needed = [-(-s // block_size) for s in seq_lens]
+    order = (torch.randperm(pool - 1, generator=gen) + 1).tolist()
+    block_ids, taken = [], 0
+    for n in needed:
+        block_ids.append(order[taken : taken + n])
+        taken += n
+    common = CommonAttentionMetadata.from_requests(
+        seq_lens, [1] * num_reqs, block_ids, block_size, device, num_tokens=max_tokens
+    )
+    return common, seq_lens, block_ids
+
+
+def _reference(spec, kv_cache, query, seq_lens, block_ids, sinks):
+    keys, values = [], []
+    for s, ids in zip(seq_lens, block_ids, strict=True):
+        idx = torch.tensor(ids, device=kv_cache.device)
+        keys.append(kv_cache[0][idx].flatten(0, 1)[:s].double().cpu())
+        values.append(kv_cache[1][idx].flatten(0, 1)[:s].double().cpu())
+    n = len(seq_lens)
+    return reference_attention(query[:n].cpu(), keys, values, [1] * n, spec, sinks)
+
+
+@pytest.mark.parametrize(
+    "max_reqs, max_blocks, features",
+    [
+        (160, 16, {}),  # enough programs: single pass
+        (4, 256, {}),  # few long sequences: split-KV + reduction inside the graph
+        (4, 256, dict(use_sinks=True, alibi_slopes=alibi_slopes(8), logits_soft_cap=20.0)),
+    ],
+    ids=["single-pass", "split", "split-sinks-alibi-softcap"],
+)
+def test_cuda_graph_replays_new_metadata(max_reqs, max_blocks, features):
+    device = "cuda"
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, block_size=16, **features
+    )
+    gen = torch.Generator().manual_seed(0)
+    pool = max_reqs * max_blocks + 8
+    kv_cache = BACKEND.allocate_kv_cache(pool, spec, device)
+    kv_cache.normal_()
+    sinks = torch.randn(8, generator=gen).to(device) if spec.use_sinks else None
+    builder = TritonMetadataBuilder(spec, device)
+    builder.reserve_cuda_graph(max_reqs, max_reqs, max_blocks)
+    impl = BACKEND.make_impl(spec, sinks=sinks)
+    q = torch.randn(max_reqs, 8, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(max_reqs, 2, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn(max_reqs, 2, 128, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    first, _, _ = _random_step(gen, max_reqs, max_reqs, max_blocks, 16, pool, device)
+    metadata = builder.build(first)
+    expect_split = max_reqs < 100
+    assert (metadata.num_splits > 1) == expect_split
+    impl.forward(q, k, v, kv_cache, metadata, out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(q, k, v, kv_cache, metadata, out)
+
+    for step in range(2):
+        # fewer requests than reserved: the builder pads with empty requests
+        num_reqs = max_reqs - 1 - step
+        common, seq_lens, block_ids = _random_step(
+            gen, num_reqs, max_reqs, max_blocks, 16, pool, device
+        )
+        builder.build(common)  # new metadata into the captured buffers
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        slots = common.slot_mapping[:num_reqs]
+        written = kv_cache[0].flatten(0, 1)[slots]
+        assert torch.equal(written, k[:num_reqs]), "the graph's KV write missed the new slots"
+        want = _reference(spec, kv_cache, q, seq_lens, block_ids, sinks)
+        got = out[:num_reqs].double().cpu()
+        tol = TOLERANCES[torch.bfloat16]
+        assert torch.allclose(got, want, atol=tol.atol, rtol=tol.rtol), (
+            f"step {step}: max abs error {float((got - want).abs().max()):.3g}"
+        )
+
+
+def test_offsets_past_2_31_elements():
+    """Each K/V view holds 2**32 elements (8 GiB); about half the shuffled blocks lie
+    past element 2**31, where 32-bit offsets would wrap."""
+    blocks = 2 * ((1 << 31) // (16 * 8 * 128))
+    scenario = Scenario(
+        "past-2**31",
+        seq_lens=(700, 1500, 33),
+        query_lens=(1, 40, 33),
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        min_num_blocks=blocks,
+    )
+    for splits in (1, 4):
+        backend = pagedkv.get_backend("triton", num_splits=splits)
+        result = run_scenario(backend, scenario, "cuda", backend_label=f"triton-split{splits}")
+        assert result.passed, result.report()
