@@ -250,7 +250,9 @@ def run_pagedkv(
         _sync(device)
         result = out.clone()
         row.eager_us = time_eager_us(attend)
-        if graph:
+        # a capture attempt on a backend that does not declare CUDA graphs can leave the
+        # CUDA context broken (seen: JAX's stream under capture), so only declared ones
+        if graph and pagedkv.Feature.CUDA_GRAPH in backend.capabilities.features:
             row.graph_us = time_graph_us(attend)
         # the write goes to a scratch copy: the timed cache keeps the problem's values
         scratch = kv_cache.clone()

@@ -195,12 +195,14 @@ class ConformanceRun:
         return list(names)
 
     def cross_scenarios(self) -> list[str]:
-        """Scenarios at least two available backends run."""
-        counts: dict[str, int] = {}
+        """Scenarios that at least two available backends run identically (same name
+        and same problem: an MLA "decode" is not a standard "decode")."""
+        counts: dict[Scenario, int] = {}
         for target in self.available_targets:
             for scenario in self.plan(target).scenarios:
-                counts[scenario.name] = counts.get(scenario.name, 0) + 1
-        return [name for name in self.scenario_order() if counts.get(name, 0) >= 2]
+                counts[scenario] = counts.get(scenario, 0) + 1
+        shared = {s.name for s, n in counts.items() if n >= 2}
+        return [name for name in self.scenario_order() if name in shared]
 
     # -- running ----------------------------------------------------------------------
 
@@ -219,7 +221,7 @@ class ConformanceRun:
     def cross_check(self, scenario_name: str) -> CheckResult:
         """Every backend's output against the first that passed the reference check."""
         check = CheckResult("cross-backend", scenario_name)
-        runs = []
+        by_problem: dict[Scenario, list[ScenarioResult]] = {}
         for target in self.available_targets:
             scenario = next(
                 (s for s in self.plan(target).scenarios if s.name == scenario_name), None
@@ -229,7 +231,9 @@ class ConformanceRun:
             result = self.results.get((target.label, scenario_name))
             if result is None:  # deselected, or not run yet: run it now
                 result = self.run(target, scenario)
-            runs.append(result)
+            by_problem.setdefault(scenario, []).append(result)
+        # only backends that ran the very same problem are comparable
+        runs = max(by_problem.values(), key=len, default=[])
         passed = [r for r in runs if r.passed and r.output is not None]
         check.detail["compared"] = [r.backend for r in passed]
         check.detail["skipped"] = [r.backend for r in runs if r not in passed]

@@ -17,10 +17,16 @@ import torch
 
 def quantize_for_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Values as the cache stores them: fp8 caches hold x / scale, saturated to the
-    format's finite range (a NaN-free cache is part of the contract)."""
+    format's finite range (a NaN-free cache is part of the contract).
+
+    The division is a float32 multiplication by float32(1 / scale): torch divides by
+    a scalar that way on CUDA and exactly on the CPU, and a one-ulp difference
+    moves values across fp8 rounding boundaries, so every writer (torch on any
+    device, the Triton kernels) uses this one definition and stores the same bits."""
     if cache_dtype.itemsize == 1 and cache_dtype.is_floating_point:
         limit = torch.finfo(cache_dtype).max
-        return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+        inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32).item()
+        return (x.float() * inv_scale).clamp_(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 

@@ -60,10 +60,11 @@ def fp32_to_fp8_bits(x, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
 
 
 @triton.jit
-def _cache_values(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MAN_BITS: tl.constexpr):
-    """What the cache stores for ``x``: itself, or the fp8 bits of x / scale saturated."""
+def _cache_values(x, inv_scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MAN_BITS: tl.constexpr):
+    """What the cache stores for ``x``: itself, or the fp8 bits of x * (1 / scale) saturated
+    (the product, not a division: see pagedkv.kv_write.quantize_for_cache)."""
     if FP8:
-        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, like torch's
+        y = x.to(tl.float32) * inv_scale
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         exp_bits: tl.constexpr = 7 - MAN_BITS
         out = fp32_to_fp8_bits(y, exp_bits, MAN_BITS).to(tl.uint8)
@@ -207,8 +208,8 @@ def plan_write_kv(
         k_store,
         vcache,
         slot_mapping,
-        float(k_scale),
-        float(v_scale),
+        1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
+        1.0 / float(v_scale),
         num_rows,
         k_view.shape[0] * k_view.shape[1],
         *key.stride(),

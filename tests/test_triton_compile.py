@@ -34,6 +34,7 @@ PREFILL = dict(seq_lens=(300, 40), query_lens=(200, 40))
 # a layer whose tiles are each TILES row's
 DOT_INPUTS = {
     "16-bit": dict(dtype=torch.bfloat16),
+    "16-bit-fp8": dict(dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3"),
     "fp32": dict(dtype=torch.float32),
     "fp32-fp8": dict(dtype=torch.float32, kv_cache_dtype="fp8_e5m2"),
 }
@@ -54,6 +55,7 @@ def _variants() -> list[Variant]:
             Variant(
                 f"{kind}-d{pad}-{inputs}",
                 BASE.replace(head_size=pad, **DOT_INPUTS[inputs], **lens),
+                num_splits=4 if kind == "decode-split" else None,
             )
         )
     for head in (48, 80, 96, 192):  # padded with masks

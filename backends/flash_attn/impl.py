@@ -74,7 +74,9 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         # saturates), so rows past a sequence's end stay finite, as FA4's TMA page
         # loads require
         slots = metadata.common.slot_mapping
-        write_kv_by_slot(key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale)
+        write_kv_by_slot(
+            key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale
+        )
 
     def forward(
         self,

@@ -52,11 +52,11 @@ def pad_dim(n: int) -> int:
 
 
 @triton.jit
-def _stored(x, k_scale, FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr):
+def _stored(x, inv_k_scale, FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr):
     """What the cache holds for x: itself, or (FP8_MANTISSA > 0) the fp8 bits of
-    x / k_scale saturated, rounded like pagedkv.kv_write.quantize_for_cache."""
+    x * (1 / k_scale) saturated, exactly like pagedkv.kv_write.quantize_for_cache."""
     if FP8_MANTISSA > 0:
-        y = tl.math.div_rn(x.to(tl.float32), k_scale)  # IEEE division, like torch's
+        y = x.to(tl.float32) * inv_k_scale
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         out = fp32_to_fp8_bits(y, 7 - FP8_MANTISSA, FP8_MANTISSA).to(tl.uint8)
     else:
@@ -74,7 +74,7 @@ def _write_latent(
     stride_kpe_t,
     stride_cache_block,
     stride_cache_slot,
-    k_scale,  # fp8 caches store x / k_scale
+    inv_k_scale,  # fp8 caches store x * (1 / k_scale)
     L: tl.constexpr,
     R: tl.constexpr,
     L_PAD: tl.constexpr,
@@ -93,12 +93,12 @@ def _write_latent(
         )
         offs_l = tl.arange(0, L_PAD)
         x = tl.load(KVC + token * stride_kvc_t + offs_l, mask=offs_l < L)
-        x = _stored(x, k_scale, FP8_MAX, FP8_MANTISSA)
+        x = _stored(x, inv_k_scale, FP8_MAX, FP8_MANTISSA)
         tl.store(row + offs_l, x.to(Cache.dtype.element_ty), mask=offs_l < L)
         if R > 0:
             offs_r = tl.arange(0, R_PAD)
             y = tl.load(KPE + token * stride_kpe_t + offs_r, mask=offs_r < R)
-            y = _stored(y, k_scale, FP8_MAX, FP8_MANTISSA)
+            y = _stored(y, inv_k_scale, FP8_MAX, FP8_MANTISSA)
             tl.store(row + L + offs_r, y.to(Cache.dtype.element_ty), mask=offs_r < R)
 
 
@@ -129,7 +129,7 @@ def plan_write_latent(
         k_pe.stride(0),
         cache.stride(0),
         cache.stride(1),
-        k_scale,
+        1.0 / float(k_scale),
     )
     kwargs = dict(
         L=lora,
@@ -417,7 +417,13 @@ def plan_attention(
     fp8 = cache.dtype in _FP8_TYPES
     if allow_tma is None:
         allow_tma = device_has_tma(cache.device)
-    use_tma = config.use_tma and allow_tma and tma_layout_ok(cache, lora, rope, config.block_n)
+    # fp8 latents through TMA gave NaN on the H200 (docs/mla.md): pointer loads there
+    use_tma = (
+        config.use_tma
+        and allow_tma
+        and not fp8
+        and tma_layout_ok(cache, lora, rope, config.block_n)
+    )
     kv_desc = pe_desc = None
     if use_tma:
         rows = cache.view(cache.shape[0] * cache.shape[1], lora + rope)

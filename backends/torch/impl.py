@@ -37,7 +37,9 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         metadata: TorchMetadata,
     ) -> None:
         slots = metadata.common.slot_mapping
-        write_kv_by_slot(key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale)
+        write_kv_by_slot(
+            key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale
+        )
 
     def forward(
         self,

@@ -104,9 +104,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return self._sms
 
     def choose(
-        self, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+        self,
+        num_seqs: int,
+        num_tokens: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_splits: int | None = None,
     ) -> tuple[TileConfig, int, int]:
-        """(tiles, query tokens per program, splits) for a batch of this shape."""
+        """(tiles, query tokens per program, splits) for a batch of this shape;
+        ``num_splits`` overrides the split decision (tuning)."""
         spec = self.spec
         group = spec.num_queries_per_kv
         tile = select_tile(
@@ -116,15 +122,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if block_m != tile.block_m:
             tile = TileConfig(block_m, tile.tile_n, tile.num_warps, tile.num_stages)
         block_q = block_m // group
-        if self.forced_splits:
-            return tile, block_q, self.forced_splits
-        query_blocks = min(
-            num_seqs * -(-max_query_len // block_q), num_tokens // block_q + num_seqs
-        )
-        programs = query_blocks * spec.num_kv_heads
-        splits = choose_num_splits(
-            self.split_policy, programs, max_query_len, max_seq_len, self.num_sms()
-        )
+        splits = num_splits or self.forced_splits
+        if not splits:
+            query_blocks = min(
+                num_seqs * -(-max_query_len // block_q), num_tokens // block_q + num_seqs
+            )
+            programs = query_blocks * spec.num_kv_heads
+            splits = choose_num_splits(
+                self.split_policy, programs, max_query_len, max_seq_len, self.num_sms()
+            )
+        if splits > 1 and tile_kind(max_query_len, group) == "decode":
+            split_tile = select_tile(
+                "decode-split", spec.head_size, spec.dtype, spec.kv_cache_dtype
+            )
+            if split_tile.block_m == tile.block_m:  # same rows: the split decision stands
+                tile = split_tile
         return tile, block_q, splits
 
     def _partials(self, num_tokens: int, num_splits: int) -> tuple[torch.Tensor, ...] | None:
@@ -151,7 +163,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if self._graph is not None:
             return self._build_into_graph_buffers(common)
         chosen, block_q, splits = self.choose(
-            common.num_reqs, common.num_tokens, common.max_query_len, common.max_seq_len
+            common.num_reqs, common.num_tokens, common.max_query_len, common.max_seq_len, num_splits
         )
         if tile is not None:
             chosen = tile
@@ -161,8 +173,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     f"tile {tile}: block_m {tile.block_m} is smaller than the GQA group "
                     f"{self.spec.num_queries_per_kv}"
                 )
-        if num_splits is not None:
-            splits = num_splits
         partials = self._partials(common.num_tokens, splits)
         return TritonMetadata(
             query_start_loc=common.query_start_loc,
