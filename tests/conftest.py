@@ -23,7 +23,13 @@ PLUGINS = Path(__file__).parent / "plugins"
 
 
 def install_distribution(source: Path, target: Path) -> Path:
-    """pip-install the distribution at ``source`` into ``target`` (a sys.path entry)."""
+    """pip-install the distribution at ``source`` into ``target`` (a sys.path entry).
+
+    It is built from a copy next to ``target``: setuptools writes build/ and
+    *.egg-info/ into the tree it builds, which must not be the source tree."""
+    copy = target.with_name(target.name + "-src")
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    source = copy
     subprocess.run(
         [
             sys.executable,
@@ -56,8 +62,7 @@ def plugin_site(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def broken_backends_site(tmp_path_factory):
-    """A directory holding the deliberately broken backends' distribution, installed
-    (built from a copy, so the build leaves nothing in the source tree)."""
-    source = tmp_path_factory.mktemp("broken-backends-src") / "broken_backends"
-    shutil.copytree(PLUGINS / "broken_backends", source)
-    return install_distribution(source, tmp_path_factory.mktemp("broken-backends-site"))
+    """A directory holding the deliberately broken backends' distribution, installed."""
+    return install_distribution(
+        PLUGINS / "broken_backends", tmp_path_factory.mktemp("broken-backends") / "site"
+    )

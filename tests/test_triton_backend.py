@@ -14,7 +14,7 @@ import pytest
 import torch
 from pagedkv import AttentionSpec, ConfigError, MetadataError, UnsupportedError
 from pagedkv.backends.triton.builder import TritonMetadataBuilder
-from pagedkv.backends.triton.configs import SPLIT_POLICY, TILES, choose_num_splits
+from pagedkv.backends.triton.configs import SPLIT_POLICY, TILES, choose_num_splits, select_tile
 from pagedkv.conformance import Scenario, run_scenario
 
 if not torch.cuda.is_available():
@@ -157,9 +157,13 @@ class _H200Builder(TritonMetadataBuilder):
 )
 def test_split_choice(num_seqs, seq_len, query_len, expect):
     builder = _H200Builder(SPEC, "cpu")
-    _, block_q, splits = builder.choose(num_seqs, num_seqs * query_len, query_len, seq_len)
+    tile, block_q, splits = builder.choose(num_seqs, num_seqs * query_len, query_len, seq_len)
     assert splits == expect
-    assert block_q == (4 if query_len == 1 else 32)
+    kind = "decode" if query_len == 1 else "prefill"
+    if kind == "decode" and splits > 1:
+        kind = "decode-split"
+    assert tile == select_tile(kind, SPEC.head_size, SPEC.dtype, SPEC.kv_cache_dtype)
+    assert block_q == tile.block_m // SPEC.num_queries_per_kv
 
 
 def test_split_choice_is_monotone_in_batch_size():
