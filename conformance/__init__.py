@@ -7,16 +7,41 @@ plugin is ``pagedkv.conformance.plugin``) or ``pagedkv conform``.
 
 from __future__ import annotations
 
-import torch
-from pagedkv.conformance.check import (
-    TOLERANCES,
-    ScenarioResult,
-    Tolerance,
-    compare_outputs,
-    run_scenario,
-)
-from pagedkv.conformance.design import design_scenarios
-from pagedkv.conformance.scenario import Scenario
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedkv.conformance.check import (
+        TOLERANCES,
+        ScenarioResult,
+        Tolerance,
+        compare_outputs,
+        run_scenario,
+    )
+    from pagedkv.conformance.design import design_scenarios
+    from pagedkv.conformance.scenario import Scenario
+
+# loaded on first use: the pytest plugin (a submodule) is imported into every pytest
+# run of an environment holding pagedkv and must not pay for torch
+_EXPORTS = {
+    "TOLERANCES": "pagedkv.conformance.check",
+    "ScenarioResult": "pagedkv.conformance.check",
+    "Tolerance": "pagedkv.conformance.check",
+    "compare_outputs": "pagedkv.conformance.check",
+    "run_scenario": "pagedkv.conformance.check",
+    "design_scenarios": "pagedkv.conformance.design",
+    "Scenario": "pagedkv.conformance.scenario",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv.conformance' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TOLERANCES",
@@ -32,6 +57,8 @@ __all__ = [
 
 def reproduce(backend: str, scenario: Scenario, device: str | None = None) -> ScenarioResult:
     """Run one scenario against a registered backend and print the verdict."""
+    import torch
+    from pagedkv.conformance.check import run_scenario
     from pagedkv.registry import get_registry
     from pagedkv.selection import parse_config
 

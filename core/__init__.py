@@ -7,32 +7,85 @@ machinery and a float64 reference.
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
-from pagedkv.capabilities import Capabilities, MultipleOf
-from pagedkv.errors import (
-    ConfigError,
-    DuplicateBackendError,
-    MetadataError,
-    NoUsableBackendError,
-    OutOfBlocksError,
-    PagedKVError,
-    SpecError,
-    UnknownBackendError,
-    UnsupportedError,
-)
-from pagedkv.features import Feature
+# cheap and needed at plugin import time; everything else loads on first use, so that
+# importing a plugin (or the pytest plugin, loaded into every pytest run) costs no torch import
 from pagedkv.hookspecs import hookimpl
-from pagedkv.metadata import CommonAttentionMetadata
-from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
-from pagedkv.selection import BackendChoice, parse_config, select_backend
-from pagedkv.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from pagedkv.backend import (
+        AttentionBackend,
+        AttentionImpl,
+        AttentionMetadataBuilder,
+        BackendOption,
+    )
+    from pagedkv.capabilities import Capabilities, MultipleOf
+    from pagedkv.errors import (
+        ConfigError,
+        DuplicateBackendError,
+        MetadataError,
+        NoUsableBackendError,
+        OutOfBlocksError,
+        PagedKVError,
+        SpecError,
+        UnknownBackendError,
+        UnsupportedError,
+    )
+    from pagedkv.features import Feature
+    from pagedkv.metadata import CommonAttentionMetadata
+    from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
+    from pagedkv.selection import BackendChoice, parse_config, select_backend
+    from pagedkv.spec import AttentionSpec
+
+_EXPORTS = {
+    "AttentionBackend": "pagedkv.backend",
+    "AttentionImpl": "pagedkv.backend",
+    "AttentionMetadataBuilder": "pagedkv.backend",
+    "AttentionSpec": "pagedkv.spec",
+    "BackendChoice": "pagedkv.selection",
+    "BackendOption": "pagedkv.backend",
+    "BackendRecord": "pagedkv.registry",
+    "Capabilities": "pagedkv.capabilities",
+    "CommonAttentionMetadata": "pagedkv.metadata",
+    "ConfigError": "pagedkv.errors",
+    "DuplicateBackendError": "pagedkv.errors",
+    "Feature": "pagedkv.features",
+    "MetadataError": "pagedkv.errors",
+    "MultipleOf": "pagedkv.capabilities",
+    "NoUsableBackendError": "pagedkv.errors",
+    "OutOfBlocksError": "pagedkv.errors",
+    "PagedKVError": "pagedkv.errors",
+    "SpecError": "pagedkv.errors",
+    "UnknownBackendError": "pagedkv.errors",
+    "UnsupportedError": "pagedkv.errors",
+    "get_backend": "pagedkv.registry",
+    "get_registry": "pagedkv.registry",
+    "list_backends": "pagedkv.registry",
+    "parse_config": "pagedkv.selection",
+    "select_backend": "pagedkv.selection",
+}
 
 try:
     __version__ = version("pagedkv")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "AttentionBackend",

@@ -58,3 +58,10 @@ def test_entry_points(wheel):
         assert parser["pagedkv"][name] == f"pagedkv.backends.{name}"
     assert parser["pytest11"]["pagedkv"] == "pagedkv.conformance.plugin"
     assert parser["console_scripts"]["pagedkv"] == "pagedkv.cli:main"
+
+
+def test_the_pytest_plugin_imports_without_torch():
+    # loaded into every pytest run of an environment holding pagedkv: it must stay cheap
+    code = "import sys, pagedkv.conformance.plugin, pagedkv; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
