@@ -1,4 +1,4 @@
-"""MLA decode: our Triton kernel against FlashInfer's BatchMLAPagedAttentionWrapper.
+"""MLA decode: our kernels (Gluon on sm_90, Triton elsewhere) against FlashInfer's BatchMLAPagedAttentionWrapper.
 
 Both run in this process on the same latent cache, block table and absorbed query,
 timed with ``triton.testing.do_bench`` (median, L2 flushed between runs), and both are
@@ -243,14 +243,28 @@ def compare(shape: Shape, options: dict | None = None) -> list[Row]:
     fi, why = flashinfer_mla(p)
     if fi is not None:
         rows.append(measure("flashinfer", shape, fi, ref))
-    run, md, _ = ours(p, options)
-    note = f"{md.config} splits={md.num_splits}"
-    rows.append(measure("pagedkv mla", shape, run, ref, note))
-    if fi is not None:
-        rows[-1].vs_flashinfer = rows[0].us / rows[-1].us
-    else:
-        rows[-1].note += f" ({why})"
+    variants = [options or {}]
+    if not options:  # the default kernel, and the Triton one where that is the Gluon one
+        variants.append({"use_gluon": False})
+    for opts in variants:
+        run, md, _ = ours(p, opts)
+        kernel = "gluon" if uses_gluon(p, md) else "triton"
+        note = f"{md.config} splits={md.num_splits}"
+        rows.append(measure(f"pagedkv mla ({kernel})", shape, run, ref, note))
+        if fi is not None:
+            rows[-1].vs_flashinfer = rows[0].us / rows[-1].us
+        else:
+            rows[-1].note += f" ({why})"
+        if kernel == "triton":
+            break  # the default already was the Triton kernel
     return rows
+
+
+def uses_gluon(p: Problem, md) -> bool:
+    from pagedkv.backends.mla.kernels import gluon_applies
+
+    q = p.query
+    return gluon_applies(q[..., :LORA], q[..., LORA:], p.cache, md.config, md.kv_per_split)
 
 
 # -- sweep -------------------------------------------------------------------------------

@@ -35,26 +35,38 @@ class Variant:
     overrides: dict = dataclasses.field(default_factory=dict)  # KernelConfig fields
     num_splits: int | None = None
     allow_tma: bool = True  # as on Hopper
+    allow_gluon: bool = True  # as on sm_90
 
 
 def _variants() -> list[Variant]:
     bf16 = Scenario("bf16", **DECODE, **DEEPSEEK, dtype=torch.bfloat16)
+    triton = {"use_gluon": False}
     out = [
+        # the Gluon sm_90 kernel (16-bit, rope 64, blocks of 64k rows)
         Variant("decode", bf16),
         Variant("decode-split4", bf16, num_splits=4),
         Variant("prefill", bf16.replace(**PREFILL)),
         Variant("non-causal", bf16.replace(causal=False, **PREFILL)),
         Variant("float16", bf16.replace(dtype=torch.float16)),
-        Variant("fp8-e4m3", bf16.replace(kv_cache_dtype="fp8_e4m3", k_scale=0.5)),
-        Variant("fp8-e5m2-split2", bf16.replace(kv_cache_dtype="fp8_e5m2"), num_splits=2),
-        Variant("lazy-rescale", bf16, {"lazy_rescale": True}),
-        Variant("lazy-split3", bf16.replace(**PREFILL), {"lazy_rescale": True}, num_splits=3),
-        Variant("pointer-loads", bf16, {"use_tma": False}),
-        Variant("no-tma-device", bf16, allow_tma=False),
-        Variant("block16-gather", bf16.replace(block_size=16)),
         Variant("block128", bf16.replace(block_size=128)),
         Variant("heads16", bf16.replace(num_heads=16)),
-        Variant("block-n32-stages3", bf16, {"block_n": 32, "num_stages": 3}),
+        Variant("latent-256", bf16.replace(kv_lora_rank=256)),
+        # the Triton kernel: where the Gluon one does not apply, or asked for
+        Variant("fp8-e4m3", bf16.replace(kv_cache_dtype="fp8_e4m3", k_scale=0.5)),
+        Variant("fp8-e5m2-split2", bf16.replace(kv_cache_dtype="fp8_e5m2"), num_splits=2),
+        Variant("triton-decode", bf16, triton),
+        Variant("triton-split4", bf16, triton, num_splits=4),
+        Variant("triton-prefill", bf16.replace(**PREFILL), triton),
+        Variant("triton-non-causal", bf16.replace(causal=False, **PREFILL), triton),
+        Variant("triton-float16", bf16.replace(dtype=torch.float16), triton),
+        Variant("lazy-rescale", bf16, {"lazy_rescale": True, **triton}),
+        Variant("lazy-split3", bf16.replace(**PREFILL), {"lazy_rescale": True, **triton}, 3),
+        Variant("pointer-loads", bf16, {"use_tma": False, **triton}),
+        Variant("no-tma-device", bf16, allow_tma=False, allow_gluon=False),
+        Variant("block16-gather", bf16.replace(block_size=16)),
+        Variant("triton-block128", bf16.replace(block_size=128), triton),
+        Variant("triton-heads16", bf16.replace(num_heads=16), triton),
+        Variant("block-n32-stages3", bf16, {"block_n": 32, "num_stages": 3, **triton}),
         # the sizing rule's fallbacks
         Variant("float32", bf16.replace(dtype=torch.float32)),
         Variant("small-latent", bf16.replace(kv_lora_rank=64, qk_rope_head_dim=16)),
@@ -88,7 +100,13 @@ def _launches(variant: Variant) -> list[tuple]:
     query = problem.query
     out = query.new_empty(query.shape[0], spec.num_heads, lora)
     launches = impl.plan_attention(
-        query[..., :lora], query[..., lora:], cache, metadata, out, allow_tma=variant.allow_tma
+        query[..., :lora],
+        query[..., lora:],
+        cache,
+        metadata,
+        out,
+        allow_tma=variant.allow_tma,
+        allow_gluon=variant.allow_gluon,
     )
     from pagedkv.backends.mla.kernels import plan_write_latent
 
@@ -104,18 +122,21 @@ def _launches(variant: Variant) -> list[tuple]:
 
 
 def _portable(launch: tuple) -> tuple:
-    """TMA descriptors compile from their dtype and box only; tensors travel to the
-    compile subprocess as descriptions (fp8 tensors do not even pickle in torch 2.13),
-    so each descriptor gets a described base."""
+    """TMA descriptors compile from their dtype, box (and Gluon's, its shared layout)
+    only; tensors travel to the compile subprocess as descriptions (fp8 tensors do not
+    even pickle in torch 2.13), so each descriptor gets a described base."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
     from triton_compile import _FakeTensor, _TensorArg
 
     def described(arg):
-        if not isinstance(arg, TensorDescriptor):
+        if not isinstance(arg, (TensorDescriptor, GluonDescriptor)):
             return arg
-        shape, strides = tuple(arg.shape), tuple(arg.strides)
-        base = _FakeTensor(_TensorArg(arg.base.dtype, shape, strides, 0))
-        return TensorDescriptor(base, list(shape), list(strides), list(arg.block_shape))
+        shape, strides = list(arg.shape), list(arg.strides)
+        base = _FakeTensor(_TensorArg(arg.base.dtype, tuple(shape), tuple(strides), 0))
+        if isinstance(arg, GluonDescriptor):
+            return GluonDescriptor(base, shape, strides, list(arg.block_shape), arg.layout)
+        return TensorDescriptor(base, shape, strides, list(arg.block_shape))
 
     kernel, grid, args, kwargs = launch
     return kernel, grid, tuple(described(a) for a in args), kwargs
@@ -152,10 +173,10 @@ def test_every_launched_variant_compiles_for_sm90():
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
     kernels = {label.split(":")[1] for label in labels}
-    assert kernels == {"_mla_attention", "_mla_reduce", "_write_latent"}
+    assert kernels == {"_mla_attention", "_mla_attention_sm90", "_mla_reduce", "_write_latent"}
 
 
-def test_the_hopper_row_uses_tma_and_one_split_for_the_headline_decode():
+def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_decode():
     import pagedkv
 
     # 64 requests x 4096 tokens x 128 heads: 128 programs for 132 SMs, no split
@@ -171,7 +192,18 @@ def test_the_hopper_row_uses_tma_and_one_split_for_the_headline_decode():
     cache = MLABackend().allocate_kv_cache(8, spec, "cpu")  # planning reads only its layout
     q = torch.zeros(64, 128, 576, dtype=torch.bfloat16)
     (attention,) = impl.plan_attention(
-        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone(), allow_tma=True
-    )
-    assert attention[3]["USE_TMA"] and attention[3]["ONE_SPLIT"]
+        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone(), allow_tma=True,
+        allow_gluon=True,
+    )  # fmt: skip
+    assert attention[0].fn.__name__ == "_mla_attention_sm90" and attention[3]["ONE_SPLIT"]
     assert attention[1] == (128, 1)
+    # asking for the Triton kernel gives it, with TMA loads
+    metadata = dataclasses.replace(
+        metadata, config=dataclasses.replace(metadata.config, use_gluon=False)
+    )
+    (attention,) = impl.plan_attention(
+        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone(), allow_tma=True,
+        allow_gluon=True,
+    )  # fmt: skip
+    assert attention[0].fn.__name__ == "_mla_attention"
+    assert attention[3]["USE_TMA"] and attention[3]["ONE_SPLIT"]

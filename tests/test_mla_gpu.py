@@ -91,6 +91,35 @@ SCENARIOS = [
         Scenario("block-16", seq_lens=(900, 77), query_lens=(1, 9), **dict(BF16, block_size=16)),
     ),
     ("mla", Scenario("non-causal", seq_lens=(200, 77), query_lens=(200, 77), causal=False, **BF16)),
+    # the Triton kernel where the Gluon one would run (sm_90), and the Gluon kernel's
+    # other shapes: 128-token blocks (two tiles per block), a 256-wide latent
+    (
+        "mla(use_gluon=false)",
+        Scenario("triton-decode-128h", seq_lens=(1, 65, 4100, 700), query_lens=(1,) * 4, **BF16),
+    ),
+    (
+        "mla(use_gluon=false)",
+        Scenario("triton-mixed", seq_lens=(900, 77, 300), query_lens=(1, 77, 40), **BF16),
+    ),
+    (
+        "mla",
+        Scenario(
+            "block-128", seq_lens=(900, 77, 129), query_lens=(1, 9, 1), **dict(BF16, block_size=128)
+        ),
+    ),
+    (
+        "mla",
+        Scenario(
+            "latent-256",
+            seq_lens=(900, 77, 3000),
+            query_lens=(1, 9, 1),
+            **dict(BF16, kv_lora_rank=256),
+        ),
+    ),
+    (
+        "mla(num_splits=5)",
+        Scenario("split-causal-mixed", seq_lens=(700, 130), query_lens=(70, 1), **BF16),
+    ),
     # > 2**31 cache elements: block offsets need 64 bits
     (
         "mla",
@@ -125,3 +154,23 @@ def test_every_sweep_variant_is_correct(config):
     scenario = Scenario("sweep", seq_lens=(1500, 64, 200), query_lens=(1, 1, 30), **BF16)
     result = reproduce(config, scenario, "cuda")
     assert result.passed, result.report()
+
+
+def test_the_gluon_kernel_runs_on_sm90_where_it_applies():
+    import pagedkv
+    from pagedkv.backends.mla.kernels import gluon_applies
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 only")
+    from pagedkv.conformance.problem import build_problem
+
+    backend = pagedkv.select_backend("mla", Scenario("x", (100,), (1,), **BF16).spec())
+    problem = build_problem(Scenario("x", (100,), (1,), **BF16), "cuda")
+    cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, "cuda")
+    metadata = backend.make_builder(problem.spec, "cuda").build(problem.common)
+    q = problem.query
+    (launch,) = backend.make_impl(problem.spec).plan_attention(
+        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone()
+    )
+    assert launch[0].fn.__name__ == "_mla_attention_sm90"
+    assert gluon_applies(q[..., :512], q[..., 512:], cache, metadata.config, metadata.kv_per_split)

@@ -170,7 +170,12 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound_args, specialization, options
     )
-    source = ASTSource(kernel, signature, constexprs, attrs)
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(kernel, signature, constexprs, attrs)
+    else:
+        source = ASTSource(kernel, signature, constexprs, attrs)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v
         compiled = triton.compile(source, target=target, options=options.__dict__)

@@ -50,6 +50,9 @@ class MLABackend(AttentionBackend):
             None, "rescale the accumulator only when a row max grows by > 2**8", kind=bool
         ),
         "use_tma": BackendOption(None, "TMA latent loads where the layout allows", kind=bool),
+        "use_gluon": BackendOption(
+            None, "the Gluon wgmma kernel on sm_90 where it applies (docs/mla.md)", kind=bool
+        ),
     }
     capabilities = Capabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),

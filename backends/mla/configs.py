@@ -25,11 +25,14 @@ class KernelConfig:
     # L = 512 with 8 warps it costs ptxas ~230 bytes of spills (docs/mla.md)
     lazy_rescale: bool = False
     use_tma: bool = True  # TMA loads where the layout allows (sm_90+, whole tile in one block)
+    # the Gluon wgmma kernel where it applies (sm_90, 16-bit, block_size % 64 == 0, ...)
+    use_gluon: bool = True
 
     def __str__(self) -> str:
         return (
             f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
             f"{'-lazy' if self.lazy_rescale else ''}{'-tma' if self.use_tma else ''}"
+            f"{'-gluon' if self.use_gluon else ''}"
         )
 
 

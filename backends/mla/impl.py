@@ -28,7 +28,9 @@ from pagedkv.errors import UnsupportedError
 from pagedkv.metadata import CommonAttentionMetadata
 
 # KernelConfig fields a config string may set (declared as BackendOptions in backend.py)
-TILE_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "use_tma")
+TILE_OPTIONS = (
+    "block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "use_tma", "use_gluon"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         )
         # tile overrides from the config string, e.g. "mla(block_n=32, num_stages=3)"
         overrides = {name: options[name] for name in TILE_OPTIONS if options.get(name) is not None}
+        if overrides and "use_gluon" not in overrides:
+            # the tile options tune the Triton kernel: naming one asks for that kernel
+            overrides["use_gluon"] = False
         self.config = dataclasses.replace(self.config, **overrides)
         self.num_splits = options.get("num_splits")  # None: SPLIT_POLICY decides
 
@@ -223,9 +228,10 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         metadata: MLAMetadata,
         out: torch.Tensor,
         allow_tma: bool | None = None,
+        allow_gluon: bool | None = None,
     ) -> list:
         """The kernel launches of the attention (no write), for forward_mla and for
-        the sm_90 compile check; allow_tma None asks the cache's device."""
+        the sm_90 compile check; allow_tma / allow_gluon None ask the cache's device."""
         from pagedkv.backends.mla.kernels import plan_attention
 
         s, common = self.spec, metadata.common
@@ -241,13 +247,15 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
             num_tokens=common.num_actual_tokens,
             scale=s.scale,
             k_scale=s.k_scale,
-            causal=s.causal,
+            # one query token per request: its causal limit is the sequence's end
+            causal=s.causal and common.max_query_len > 1,
             config=metadata.config,
             num_splits=metadata.num_splits,
             kv_per_split=metadata.kv_per_split,
             mid_o=metadata.mid_o,
             mid_lse=metadata.mid_lse,
             allow_tma=allow_tma,
+            allow_gluon=allow_gluon,
         )
 
     def _check_cache(self, kv_cache: torch.Tensor, metadata: MLAMetadata) -> None:

@@ -332,24 +332,27 @@ def _mla_reduce(
     num_splits,
     NUM_HEADS: tl.constexpr,
     L: tl.constexpr,
-    L_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # power of two >= num_splits
+    BLOCK_L: tl.constexpr,  # latent columns per program
 ):
+    # one program per (row, column chunk), every split at once: the loads of all the
+    # splits' parts are independent, so a long split list costs bandwidth, not latency
     row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
     token = row // NUM_HEADS
     head = row % NUM_HEADS
-    lse_max = float("-inf")
-    for s in range(num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(MidLse + row * num_splits + s))
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    lse = tl.load(MidLse + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    offs_l = tl.arange(0, L_PAD)
-    acc = tl.zeros([L_PAD], dtype=tl.float32)
-    denom = 0.0
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(MidLse + row * num_splits + s) - lse_max)
-        part = tl.load(MidO + (row * num_splits + s) * L + offs_l, mask=offs_l < L, other=0.0)
-        acc += w * part
-        denom += w
-    out = acc * (out_scale / tl.where(denom == 0.0, 1.0, denom))
+    w = tl.exp2(lse - lse_max)  # 0 for padding and for splits that saw no key
+    part = tl.load(
+        MidO + (row * num_splits + offs_s)[:, None] * L + offs_l[None, :],
+        mask=(offs_s[:, None] < num_splits) & (offs_l[None, :] < L),
+        other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) * (out_scale / tl.where(denom == 0.0, 1.0, denom))
     tl.store(
         Out + token * stride_o_t + head * stride_o_h + offs_l,
         out.to(Out.dtype.element_ty),
@@ -400,6 +403,7 @@ def plan_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     allow_tma: bool | None = None,
+    allow_gluon: bool | None = None,
 ) -> list[Launch]:
     """The launches of absorbed MLA over the paged latent cache into ``out`` [T, H, L]:
     the attention kernel, then the split reduction when num_splits > 1.
@@ -407,7 +411,8 @@ def plan_attention(
     q_nope: [T, H, L]; q_pe: [T, H, R]; cache: [N, B, L + R] (last dims contiguous);
     tiles: [2, num_tiles] int32 (request, first row of each tile) from the builder;
     num_tokens: the scheduled rows. mid_o [T, H, S, L] and mid_lse [T, H, S] float32
-    are required when num_splits > 1. allow_tma: None asks the cache's device.
+    are required when num_splits > 1. allow_tma / allow_gluon: None asks the cache's
+    device; the Gluon sm_90 kernel (gluon_kernels.py) runs where it applies.
     """
     num_tiles = tiles.shape[1]
     if num_tiles == 0:
@@ -415,6 +420,19 @@ def plan_attention(
     num_heads, lora = q_nope.shape[1], q_nope.shape[2]
     rope = q_pe.shape[2]
     fp8 = cache.dtype in _FP8_TYPES
+    if num_splits == 1:
+        mid_o = mid_lse = out  # unused pointer arguments of the one-split variant
+    if gluon_applies(q_nope, q_pe, cache, config, kv_per_split, allow_gluon):
+        from pagedkv.backends.mla import gluon_kernels
+
+        launches: list[Launch] = [
+            gluon_kernels.plan(
+                q_nope, q_pe, cache, block_table, seq_lens, query_start_loc, tiles, out,
+                mid_o, mid_lse, scale=scale, causal=causal, num_splits=num_splits,
+                kv_per_split=kv_per_split,
+            )
+        ]  # fmt: skip
+        return launches + _plan_reduce(mid_o, mid_lse, out, num_splits, num_tokens, 1.0)
     if allow_tma is None:
         allow_tma = device_has_tma(cache.device)
     # fp8 latents through TMA gave NaN on the H200 (docs/mla.md): pointer loads there
@@ -430,8 +448,6 @@ def plan_attention(
         kv_desc = TensorDescriptor.from_tensor(rows, [config.block_n, lora])
         if rope:
             pe_desc = TensorDescriptor.from_tensor(rows, [config.block_n, rope])
-    if num_splits == 1:
-        mid_o = mid_lse = out  # unused pointer arguments of the one-split variant
     out_scale = k_scale if fp8 else 1.0  # V is the stored latent: fp8 stores it / k_scale
     args = (
         q_nope,
@@ -478,9 +494,51 @@ def plan_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    launches: list[Launch] = [(_mla_attention, (num_tiles, num_splits), args, kwargs)]
-    if num_splits > 1 and num_tokens:
-        reduce_args = (mid_o, mid_lse, out, out.stride(0), out.stride(1), out_scale, num_splits)
-        reduce_kwargs = dict(NUM_HEADS=num_heads, L=lora, L_PAD=pad_dim(lora), num_warps=4)
-        launches.append((_mla_reduce, (num_tokens * num_heads,), reduce_args, reduce_kwargs))
-    return launches
+    launches = [(_mla_attention, (num_tiles, num_splits), args, kwargs)]
+    return launches + _plan_reduce(mid_o, mid_lse, out, num_splits, num_tokens, out_scale)
+
+
+def _plan_reduce(
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    num_tokens: int,
+    out_scale: float,
+) -> list[Launch]:
+    """The split reduction's launch (none for one split or no rows)."""
+    if num_splits == 1 or not num_tokens:
+        return []
+    num_heads, lora = out.shape[1], out.shape[2]
+    splits_pad = triton.next_power_of_2(num_splits)
+    # at most 4096 partial values per program (32 float32 registers a thread)
+    block_l = max(16, min(pad_dim(lora), 4096 // splits_pad))
+    args = (mid_o, mid_lse, out, out.stride(0), out.stride(1), out_scale, num_splits)
+    kwargs = dict(NUM_HEADS=num_heads, L=lora, SPLITS_PAD=splits_pad, BLOCK_L=block_l, num_warps=4)
+    grid = (num_tokens * num_heads, triton.cdiv(lora, block_l))
+    return [(_mla_reduce, grid, args, kwargs)]
+
+
+def gluon_applies(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    config: KernelConfig,
+    kv_per_split: int,
+    allow_gluon: bool | None = None,
+) -> bool:
+    """Whether the Gluon sm_90 kernel runs this launch: enabled in the config, on an
+    sm_90 device (or allow_gluon=True, for the compile check), and its shape rules
+    (gluon_kernels.applies) hold for the data and the builder's 64-row tiles."""
+    if not config.use_gluon or config.block_m != 64 or kv_per_split % 64:
+        return False
+    if allow_gluon is None:
+        allow_gluon = not INTERPRETED and cache.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(cache.device) if allow_gluon else None
+    else:
+        capability = (9, 0) if allow_gluon else None
+    if capability is None:
+        return False
+    from pagedkv.backends.mla import gluon_kernels
+
+    return gluon_kernels.applies(q_nope, q_pe, cache, capability) is None
