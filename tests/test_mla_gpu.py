@@ -164,8 +164,8 @@ def test_the_gluon_kernel_runs_on_sm90_where_it_applies():
         pytest.skip("the Gluon kernel is sm_90 only")
     from pagedkv.conformance.problem import build_problem
 
-    backend = pagedkv.select_backend("mla", Scenario("x", (100,), (1,), **BF16).spec())
     problem = build_problem(Scenario("x", (100,), (1,), **BF16), "cuda")
+    backend = pagedkv.select_backend("mla", problem.spec)
     cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, "cuda")
     metadata = backend.make_builder(problem.spec, "cuda").build(problem.common)
     q = problem.query

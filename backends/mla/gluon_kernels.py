@@ -34,6 +34,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from pagedkv.backends.mla.kernels import LOG2E
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -50,7 +51,6 @@ BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M
 BLOCK_N = 64  # latent rows per step
 STAGES = 2  # latent tiles in flight: Q (72 KiB) + 2 x 72 KiB fill sm_90's shared memory
 NUM_WARPS = 8  # two warpgroups
-LOG2E = 1.4426950408889634
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 

@@ -529,8 +529,8 @@ def gluon_applies(
 ) -> bool:
     """Whether the Gluon sm_90 kernel runs this launch: enabled in the config, on an
     sm_90 device (or allow_gluon=True, for the compile check), and its shape rules
-    (gluon_kernels.applies) hold for the data and the builder's 64-row tiles."""
-    if not config.use_gluon or config.block_m != 64 or kv_per_split % 64:
+    (gluon_kernels.applies) hold for the data and for the builder's tiles."""
+    if not config.use_gluon:
         return False
     if allow_gluon is None:
         allow_gluon = not INTERPRETED and cache.device.type == "cuda"
@@ -541,4 +541,6 @@ def gluon_applies(
         return False
     from pagedkv.backends.mla import gluon_kernels
 
+    if config.block_m != gluon_kernels.BLOCK_M or kv_per_split % gluon_kernels.BLOCK_N:
+        return False
     return gluon_kernels.applies(q_nope, q_pe, cache, capability) is None
