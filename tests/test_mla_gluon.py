@@ -31,7 +31,7 @@ def _tensors(lora=512, rope=64, heads=128, block_size=64, dtype=torch.bfloat16, 
 def test_applies_to_the_deepseek_shape_on_sm90_in_16_bit():
     for dtype in (torch.bfloat16, torch.float16):
         assert gluon_kernels.applies(*_tensors(dtype=dtype), HOPPER) is None
-    for lora, block_size in ((256, 64), (128, 128), (64, 256)):
+    for lora, block_size in ((256, 64), (128, 128), (512, 256)):
         assert gluon_kernels.applies(*_tensors(lora=lora, block_size=block_size), HOPPER) is None
 
 
@@ -43,6 +43,7 @@ def test_applies_to_the_deepseek_shape_on_sm90_in_16_bit():
         (_tensors(dtype=torch.float32), HOPPER, "16-bit"),
         (_tensors(cache_dtype=torch.float8_e4m3fn), HOPPER, "16-bit"),
         (_tensors(lora=48), HOPPER, "kv_lora_rank"),
+        (_tensors(lora=64), HOPPER, "kv_lora_rank"),  # a half of 32 columns: too narrow
         (_tensors(lora=1024), HOPPER, "kv_lora_rank"),
         (_tensors(rope=32), HOPPER, "rope 64"),
         (_tensors(block_size=16), HOPPER, "multiple of 64"),
@@ -65,7 +66,7 @@ def test_descriptors_cover_the_cache_rows_and_are_reused():
     kv, pe = gluon_kernels.descriptors(cache, 512, 64)
     assert kv.base.data_ptr() == cache.data_ptr() == pe.base.data_ptr()
     assert list(kv.shape) == [8 * 64, 576] and list(kv.strides) == [576, 1]
-    assert list(kv.block_shape) == [64, 512] and list(pe.block_shape) == [64, 64]
+    assert list(kv.block_shape) == [64, 256] and list(pe.block_shape) == [64, 64]
     assert gluon_kernels.descriptors(cache, 512, 64) == (kv, pe)
     # another cache (address or shape) gets its own
     other = torch.zeros(16, 64, 576, dtype=torch.bfloat16)

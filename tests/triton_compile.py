@@ -56,13 +56,16 @@ class CompileResult:
     # from ptxas's report; None when the kernel came from Triton's cache (no ptxas run)
     registers: int | None = None
     spill_bytes: int | None = None  # spill stores
+    # ptxas C7514: it runs every wgmma to completion (an accumulator read mid-flight)
+    wgmma_serialized: bool | None = None
 
     def __str__(self) -> str:
         if not self.ok:
             return f"{self.label}: FAILED\n{self.error}"
         regs = "" if self.registers is None else f", {self.registers} registers"
         spills = f", {self.spill_bytes} B spilled" if self.spill_bytes else ""
-        return f"{self.label}: ok, {self.shared} B shared, {self.num_warps} warps{regs}{spills}"
+        serial = ", wgmma serialized (C7514)" if self.wgmma_serialized else ""
+        return f"{self.label}: ok, {self.shared} B shared, {self.num_warps} warps{regs}{spills}{serial}"
 
 
 def describe(launch: Sequence[Any], label: str = "") -> tuple[str, str, str, tuple, dict]:
@@ -187,6 +190,7 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
         "num_stages": int(compiled.metadata.num_stages),
         "registers": max(map(int, registers)) if registers else None,
         "spill_bytes": max(map(int, spills)) if spills else None,
+        "wgmma_serialized": ("C7514" in log.getvalue()) if registers else None,
     }
 
 

@@ -1,31 +1,33 @@
 """The Hopper (sm_90) MLA attention kernel, written in Gluon (Triton's explicit-layout
 dialect), and its launch plan.
 
-Why a second kernel: in ``_mla_attention`` (kernels.py) Triton lays out the chained
-``tl.dot`` of a 64-row tile with all 8 warps along the rows, so both warpgroups
-compute the whole ``[64, BLOCK_N]`` score tile: Q·K^T, the larger of the two
-matmuls (L + R = 576 deep), runs twice. Here the layouts are ours:
+Why a second kernel: in ``_mla_attention`` (kernels.py) every warp runs the same
+program, so the softmax of a tile and its matmuls take turns on one instruction
+stream. Here two warpgroups run different programs (``gl.warp_specialize``) over one
+tile of 64 query rows (the heads of one token, for decode) of one request and one KV
+split, and hand work back and forth like FlashMLA's sm_90 decode kernel:
 
-- one program = 64 query rows (the heads of one token, for decode) of one request
-  and one KV split; 8 warps = two warpgroups;
-- S = Q·K^T with the accumulator split by columns (``warps_per_cta=[4, 2]``): each
-  warpgroup computes 32 of the 64 keys, so no score is computed twice; the row max
-  crosses the warpgroups through shared memory (the compiler does that), the row
-  sums are kept per element and reduced once at the end;
-- O = P·V with O split by columns as well: warpgroup w owns latent columns
-  [w·L/2, (w+1)·L/2); P (bf16/fp16) goes through shared memory (both warpgroups
-  need all of it) and V is the latent tile already there (the first L values of
-  the same rows as K);
-- the query stays in shared memory for the whole KV range; latent tiles of 64 rows
-  come by TMA (one page or part of one: ``block_size % 64 == 0``) into a two-slot
-  ring (Q and two tiles fill sm_90's 227 KiB). P·V of tile j runs asynchronously
-  into iteration j + 1, ahead of that iteration's Q·K^T; as soon as it retires its
-  slot takes tile j + 2, so each load has about one iteration to land.
+- latent tiles (64 rows) come in pairs: warpgroup 0 computes the full scores
+  S0 = Q·K0^T of the first, warpgroup 1 S1 = Q·K1^T of the second (all 576 columns,
+  no score computed twice), each in its own registers;
+- the output is split by columns: warpgroup 0 owns latent columns [0, L/2),
+  warpgroup 1 [L/2, L), so each runs P0·V0 and P1·V1 on its half;
+- the running row max passes from 0 to 1 through shared memory (1's max includes
+  0's), and P1 and the rescaled P0 go through one shared buffer, so while one
+  warpgroup does its softmax the other keeps the tensor cores busy;
+- the query stays in shared memory; the two tiles of a pair sit in a two-slot ring,
+  each slot in two halves with a barrier each (the left half of kv_c; the right half
+  with k_pe). A half is refilled by the warpgroup that reads it last, as soon as its
+  last P·V retires, and each warpgroup first computes the scores of the half it
+  loaded itself. Q (72 KiB) + 2 tiles (144 KiB) + P (8 KiB) fill sm_90's 227 KiB;
+- a pair past the KV range's end (odd tile count) reads rows past the cache through
+  TMA, which fills zeros, and masks them: no block-table entry past the request's
+  blocks is read.
 
-It computes exactly what ``_mla_attention`` does (same tiles, split-KV partial
+It computes exactly what ``_mla_attention`` does (the same tiles, split-KV partial
 outputs and log2-sum-exp for ``_mla_reduce``, causal limit per row) for 16-bit
-queries and caches; fp8 caches, fp32, other GPUs and the interpreter use the
-Triton kernel. ``applies`` says when this one is chosen.
+queries and caches with kv_lora_rank 128, 256 or 512; fp8 caches, fp32, other GPUs
+and the interpreter use the Triton kernel. ``applies`` says when this one is chosen.
 """
 
 from __future__ import annotations
@@ -42,17 +44,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M
-BLOCK_N = 64  # latent rows per step
-STAGES = 2  # latent tiles in flight: Q (72 KiB) + 2 x 72 KiB fill sm_90's shared memory
-NUM_WARPS = 8  # two warpgroups
+BLOCK_N = 64  # latent rows per tile
+NUM_WARPS = 4  # per warpgroup; the kernel runs two (the second is a worker partition)
+WORKER_REGS = 240  # registers per thread of the worker warpgroup (setmaxnreg)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+# shared-memory barriers between the two warpgroups
+_MAX0 = gl.constexpr(0)  # warpgroup 0's row max of its tile is in stats[0]
+_P1 = gl.constexpr(1)  # warpgroup 1's row max is in stats[1], its P1 in the P buffer
+_P0 = gl.constexpr(2)  # warpgroup 0's rescaled P0 is in the P buffer
+_SUM = gl.constexpr(3)  # (+ warpgroup) the row sums are in stats[2 + warpgroup]
 
 
 def applies(
@@ -64,55 +71,212 @@ def applies(
         return f"wgmma needs sm_90 (this device is sm_{capability[0]}{capability[1]})"
     if q_nope.dtype not in _GL_DTYPES or cache.dtype != q_nope.dtype:
         return f"16-bit query and cache only (query {q_nope.dtype}, cache {cache.dtype})"
-    if lora not in (64, 128, 256, 512) or rope != 64:
-        return f"kv_lora_rank in 64..512 (power of two) and rope 64 only (got {lora}, {rope})"
+    if lora not in (128, 256, 512) or rope != 64:
+        return f"kv_lora_rank 128, 256 or 512 and rope 64 only (got {lora}, {rope})"
     if block_size % BLOCK_N:
         return f"block_size {block_size} is not a multiple of {BLOCK_N}"
     width = lora + rope
     if cache.stride() != (block_size * width, width, 1) or cache.data_ptr() % 16:
         return "the cache must be contiguous and 16-byte aligned (TMA)"
-    if cache.shape[0] * block_size >= 2**31:
+    if cache.shape[0] * block_size >= 2**31 - BLOCK_N:
         return "more than 2**31 latent rows (TMA coordinates are 32-bit)"
     return None
 
 
 @gluon.jit
-def _tile_row(table_row, kv_lo, j, n_iter, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr):
-    """The cache row where latent tile j of this split starts (0 past the last tile):
-    tiles start at multiples of TILE_N, so each lies inside one block."""
+def _tile_row(table_row, kv_lo, j, n_iter, oob_row, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr):
+    """The cache row where latent tile j of this split starts (tiles start at multiples
+    of TILE_N, so each lies inside one block); past the last tile, a row past the cache,
+    which TMA reads as zeros."""
     start = kv_lo + j * TILE_N
     block = gl.load(table_row + start // BLOCK_SIZE, mask=j < n_iter, other=0)
-    return block * BLOCK_SIZE + start % BLOCK_SIZE
+    return gl.where(j < n_iter, block * BLOCK_SIZE + start % BLOCK_SIZE, oob_row)
 
 
 @gluon.jit
-def _issue_tile_load(
-    kv_desc, pe_desc, kn_ring, kr_ring, bars, row, j, pred, L: gl.constexpr, STAGES: gl.constexpr
-):
-    """TMA of latent tile j (from cache row ``row``) into ring slot j % STAGES, if pred."""
-    slot = j % STAGES
-    bar = bars.index(slot)
-    mbarrier.expect(bar, kv_desc.block_type.nbytes + pe_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, kn_ring.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(pe_desc, [row, L], bar, kr_ring.index(slot), pred=pred)
+def _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, slot, row, pred,
+               HALF_IDX: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """TMA of one half of the latent tile at cache row ``row`` into ring slot ``slot``:
+    the left half of kv_c (HALF_IDX 0), or its right half and k_pe (HALF_IDX 1)."""
+    bar = load_bars.index(slot * 2 + HALF_IDX)
+    kn = kn_ring.index(slot).slice(HALF_IDX * (L // 2), L // 2, dim=1)
+    if HALF_IDX == 0:
+        mbarrier.expect(bar, half_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(half_desc, [row, 0], bar, kn, pred=pred)
+    else:
+        mbarrier.expect(bar, half_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(half_desc, [row, L // 2], bar, kn, pred=pred)
+        tma.async_copy_global_to_shared(rope_desc, [row, L], bar, kr_ring.index(slot), pred=pred)
 
 
 @gluon.jit
-def _scores(
-    q_nope_s, q_rope_s, kn, kr, s_layout: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr
-):
-    """S = q_nope·kv_c^T + q_pe·k_pe^T as two asynchronous wgmma groups."""
-    s = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)
-    s = warpgroup_mma(q_nope_s, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(q_rope_s, kr.permute((1, 0)), s, is_async=True)
+def _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, slot, phase,
+                HALF_IDX: gl.constexpr, FIRST: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """Chain one half of S = Q·K^T (the right half with the rope part) into s as
+    asynchronous wgmmas, once that half of the tile has landed."""
+    mbarrier.wait(load_bars.index(slot * 2 + HALF_IDX), phase)
+    for c in gl.static_range(L // 128):
+        s = warpgroup_mma(
+            q_nope_s.slice(HALF_IDX * (L // 2) + c * 64, 64, dim=1),
+            kn.slice(HALF_IDX * (L // 2) + c * 64, 64, dim=1).permute((1, 0)),
+            s,
+            use_acc=(c > 0) or not FIRST,
+            is_async=True,
+        )
+    if HALF_IDX == 1:
+        s = warpgroup_mma(q_rope_s, kr.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _masked(s, tile, kv_lo, kv_hi, q_pos, qk_scale, s_layout: gl.constexpr,
+            TILE_N: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """Scores in the log2 domain; keys past the split's range (or, causal, past the
+    row's own position) at -inf."""
+    pos = kv_lo + tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+    visible = gl.expand_dims(pos < kv_hi, 0)
+    if CAUSAL:
+        visible = visible & (gl.expand_dims(pos, 0) <= gl.expand_dims(q_pos, 1))
+    return gl.where(visible, s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+               TILE_M: gl.constexpr, TILE_N: gl.constexpr, ONE_SPLIT: gl.constexpr,
+               CAUSAL: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """The program of warpgroup WG (0 or 1); see the module doc for the schedule."""
+    (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, half_desc,
+     rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start, q_len,
+     qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h) = a  # fmt: skip
+    dtype: gl.constexpr = half_desc.dtype
+    HALF: gl.constexpr = L // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # causal limit of each score row: its token's absolute position
+    q_pos = context_len + (row0 + gl.arange(0, TILE_M, layout=row_s)) // NUM_HEADS
+    m_i = gl.full([TILE_M], -1.0e30, gl.float32, layout=row_s)
+    l_i = gl.zeros([TILE_M], gl.float32, layout=row_s)
+    o = gl.zeros([TILE_M, HALF], gl.float32, layout=o_layout)
+    n_pairs = (n_iter + 1) // 2
+    for i in range(n_pairs):
+        ph = i & 1
+        more = i + 1 < n_pairs
+        kn = kn_ring.index(WG)
+        kr = kr_ring.index(WG)
+        # the scores of tile 2i + WG, the half this warpgroup loaded itself first
+        s = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)
+        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, WG, True, L)
+        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, 1 - WG, False, L)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = _masked(s, 2 * i + WG, kv_lo, kv_hi, q_pos, qk_scale, s_layout, TILE_N, CAUSAL)
+        # the row max: warpgroup 1's includes warpgroup 0's, so both end on the same
+        if WG == 0:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            stats[0].store(m_new)
+            mbarrier.arrive(sync_bars.index(_MAX0), count=1)
+        else:
+            mbarrier.wait(sync_bars.index(_MAX0), ph)
+            m_new = gl.maximum(stats[0].load(row_s), gl.max(s, axis=1))
+            stats[1].store(m_new)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        m_i = m_new
+        if WG == 0:
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), kn.slice(0, HALF, dim=1),
+                              o, is_async=True)  # fmt: skip
+            # warpgroup 1's max (the pair's) and P1; P0 moves to that max for it
+            mbarrier.wait(sync_bars.index(_P1), ph)
+            m_pair = stats[1].load(row_s)
+            beta = gl.exp2(m_i - m_pair)
+            p_scaled = (p * gl.expand_dims(beta, 1)).to(dtype)
+            o = warpgroup_mma_wait(0, deps=[o])
+            # P0·V0 retired: this slot's left half takes the next pair's first tile
+            row = _tile_row(table_row, kv_lo, 2 * i + 2, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 0, row, more, 0, L)
+            p_other = p_s.load(p_op)
+            p_s.store(p_scaled)
+            mbarrier.arrive(sync_bars.index(_P0), count=1)
+            o = o * gl.expand_dims(gl.convert_layout(beta, row_o), 1)
+            l_i = l_i * beta
+            m_i = m_pair
+            o = warpgroup_mma(p_other, kn_ring.index(1).slice(0, HALF, dim=1), o, is_async=True)
+            # not carried into the next pair: ptxas then serialises every wgmma (C7514)
+            o = warpgroup_mma_wait(0, deps=[o])
+            row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 0, L)
+        else:
+            p_s.store(p.to(dtype))
+            mbarrier.arrive(sync_bars.index(_P1), count=1)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), kn.slice(HALF, HALF, dim=1),
+                              o, is_async=True)  # fmt: skip
+            mbarrier.wait(sync_bars.index(_P0), ph)
+            p_other = p_s.load(p_op)
+            o = warpgroup_mma(p_other, kn_ring.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(1, deps=[o])
+            # P1·V1 retired: this slot's right half takes the next pair's second tile
+            row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 1, L)
+            o = warpgroup_mma_wait(0, deps=[o])
+            row = _tile_row(table_row, kv_lo, 2 * i + 2, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 0, row, more, 1, L)
+
+    # each warpgroup summed the probabilities of its own tiles
+    stats[2 + WG].store(l_i)
+    mbarrier.arrive(sync_bars.index(_SUM + WG), count=1)
+    mbarrier.wait(sync_bars.index(_SUM + 1 - WG), 0)
+    l_i = l_i + stats[3 - WG].load(row_s)
+
+    # -- output: final rows, or this split's normalised part and its log2-sum-exp ------
+    l_o = gl.convert_layout(l_i, row_o)
+    o_rows = row0 + gl.arange(0, TILE_M, layout=row_o)
+    o_cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    o_tok = (q_start + o_rows // NUM_HEADS).to(gl.int64)
+    o_head = o_rows % NUM_HEADS
+    o_valid = o_rows // NUM_HEADS < q_len
+    o_mask = gl.expand_dims(o_valid, 1) & gl.expand_dims(o_cols < L, 0)
+    o = o / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+    if ONE_SPLIT:
+        out_ptr = Out + gl.expand_dims(o_tok * stride_o_t + o_head * stride_o_h, 1)
+        gl.store(out_ptr + gl.expand_dims(o_cols, 0), o.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        mid_row = (o_tok * NUM_HEADS + o_head) * num_splits + split
+        gl.store(MidO + gl.expand_dims(mid_row * L, 1) + gl.expand_dims(o_cols, 0), o, mask=o_mask)
+        if WG == 0:
+            m_o = gl.convert_layout(m_i, row_o)
+            lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(gl.maximum(l_o, 1e-30)))
+            gl.store(MidLse + mid_row, lse, mask=o_valid)
+
+
+@gluon.jit
+def _warpgroup0(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                TILE_M: gl.constexpr, TILE_N: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                CAUSAL: gl.constexpr):  # fmt: skip
+    _warpgroup(a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL, 0)
+
+
+@gluon.jit
+def _warpgroup1(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                TILE_M: gl.constexpr, TILE_N: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                CAUSAL: gl.constexpr):  # fmt: skip
+    _warpgroup(a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL, 1)
 
 
 @gluon.jit
 def _mla_attention_sm90(
     QN,  # [T, H, L] absorbed q_nope
     QP,  # [T, H, R] q_pe
-    kv_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, L]
-    pe_desc,  # the same rows, box [TILE_N, R]
+    half_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, L / 2]
+    rope_desc,  # the same rows, box [TILE_N, R]
     BlockTable,  # [num_reqs, max_blocks] int32
     SeqLens,  # [num_reqs] int32
     QueryStartLoc,  # [num_reqs + 1] int32
@@ -131,30 +295,18 @@ def _mla_attention_sm90(
     qk_scale,  # softmax scale * log2(e)
     kv_per_split,  # KV positions per split, a multiple of TILE_N
     num_splits,
+    oob_row,  # a cache row past the last one (TMA reads zeros there)
     NUM_HEADS: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     TILE_M: gl.constexpr,
     TILE_N: gl.constexpr,
-    STAGES: gl.constexpr,  # latent tiles in flight (ring slots)
     ONE_SPLIT: gl.constexpr,
     CAUSAL: gl.constexpr,
+    WORKER_REGS: gl.constexpr,
 ):
-    dtype: gl.constexpr = kv_desc.dtype
-    # accumulators split by columns between the two warpgroups (see the module doc)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, min(L // 2, 256), 16]
-    )
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-
+    dtype: gl.constexpr = half_desc.dtype
     tile = gl.program_id(0)
     split = gl.program_id(1)
     req = gl.load(TileReq + tile)
@@ -170,20 +322,34 @@ def _mla_attention_sm90(
     n_iter = (gl.maximum(kv_hi - kv_lo, 0) + TILE_N - 1) // TILE_N
     table_row = BlockTable + req.to(gl.int64) * stride_bt
 
-    # -- shared memory: the query, a two-slot latent ring, its barriers ------------------
-    q_nope_s = gl.allocate_shared_memory(dtype, [TILE_M, L], kv_desc.layout)
-    q_rope_s = gl.allocate_shared_memory(dtype, [TILE_M, R], pe_desc.layout)
-    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, L], kv_desc.layout)
-    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, R], pe_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_s = gl.allocate_shared_memory(dtype, [TILE_M, TILE_N], pe_desc.layout)  # P, bf16/fp16
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for t in gl.static_range(STAGES):
-        row = _tile_row(table_row, kv_lo, t, n_iter, BLOCK_SIZE, TILE_N)
-        _issue_tile_load(kv_desc, pe_desc, kn_ring, kr_ring, bars, row, t, t < n_iter, L, STAGES)
+    # -- shared memory: the query, a two-slot latent ring, P, row statistics, barriers --
+    q_nope_s = gl.allocate_shared_memory(dtype, [TILE_M, L], rope_desc.layout)
+    q_rope_s = gl.allocate_shared_memory(dtype, [TILE_M, R], rope_desc.layout)
+    kn_ring = gl.allocate_shared_memory(dtype, [2, TILE_N, L], rope_desc.layout)
+    kr_ring = gl.allocate_shared_memory(dtype, [2, TILE_N, R], rope_desc.layout)
+    p_s = gl.allocate_shared_memory(dtype, [TILE_M, TILE_N], rope_desc.layout)
+    # row max of warpgroup 0, of warpgroup 1, row sums of 0, of 1
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    stats = (
+        gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
+        gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
+        gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
+        gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
+    )
+    load_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    sync_bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(load_bars.index(i), count=1)
+    for i in gl.static_range(8):
+        mbarrier.init(sync_bars.index(i), count=1)
+    for t in gl.static_range(2):
+        row = _tile_row(table_row, kv_lo, t, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+        for half in gl.static_range(2):
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, t, row, n_iter > 0,
+                       half, L)  # fmt: skip
 
     # the query rows through registers (rows past the request's tokens are zero)
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     q_rows = row0 + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, q_load))
     q_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_load))
     q_tok = (q_start + q_rows // NUM_HEADS).to(gl.int64)
@@ -197,67 +363,17 @@ def _mla_attention_sm90(
     q_rope_s.store(gl.load(qp_ptr + gl.expand_dims(q_cols, 0), mask=q_mask, other=0.0))
     fence_async_shared()  # the wgmma (async proxy) reads what the threads stored
 
-    # causal limit of each score row: its token's absolute position
-    s_rows = row0 + gl.arange(0, TILE_M, layout=row_s)
-    q_pos = context_len + s_rows // NUM_HEADS
-    key_offs = gl.arange(0, TILE_N, layout=col_s)
-
-    m_i = gl.full([TILE_M], -1.0e30, gl.float32, layout=row_s)
-    # softmax denominators, summed over the columns only at the end: a per-tile row sum
-    # would cross the warpgroups through shared memory every iteration
-    l_t = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)
-    # o is carried between iterations as a pending wgmma result (P·V of the last tile)
-    o = warpgroup_mma_init(gl.zeros([TILE_M, L], gl.float32, layout=o_layout))
-    for j in range(0, n_iter):
-        slot = j % STAGES
-        # read now, used after the scores: the block-table latency hides behind them
-        next_row = _tile_row(table_row, kv_lo, j + STAGES - 1, n_iter, BLOCK_SIZE, TILE_N)
-        mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-        s = _scores(q_nope_s, q_rope_s, kn_ring.index(slot), kr_ring.index(slot), s_layout,
-                    TILE_M, TILE_N)  # fmt: skip
-        # P·V of tile j - 1 was issued before these scores: once it retires, its slot
-        # takes tile j + STAGES - 1 (the first STAGES tiles went out before the loop)
-        o = warpgroup_mma_wait(2, deps=[o])
-        _issue_tile_load(kv_desc, pe_desc, kn_ring, kr_ring, bars, next_row, j + STAGES - 1,
-                         (j >= 1) & (j + STAGES - 1 < n_iter), L, STAGES)  # fmt: skip
-        s = warpgroup_mma_wait(0, deps=[s])
-        pos = kv_lo + j * TILE_N + key_offs
-        visible = gl.expand_dims(pos < kv_hi, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(pos, 0) <= gl.expand_dims(q_pos, 1))
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        l_t = l_t * gl.expand_dims(alpha, 1) + p
-        m_i = m_new
-        p_s.store(p.to(dtype))
-        fence_async_shared()  # the wgmma reads P through the async proxy
-        o = warpgroup_mma(p_s, kn_ring.index(slot), o, is_async=True)
-    o = warpgroup_mma_wait(0, deps=[o])
-    l_i = gl.sum(l_t, axis=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-    # -- output: final rows, or this split's normalised part and its log2-sum-exp ------
-    l_o = gl.convert_layout(l_i, row_o)
-    o_rows = row0 + gl.arange(0, TILE_M, layout=row_o)
-    o_cols = gl.arange(0, L, layout=col_o)
-    o_tok = (q_start + o_rows // NUM_HEADS).to(gl.int64)
-    o_head = o_rows % NUM_HEADS
-    o_valid = o_rows // NUM_HEADS < q_len
-    o_mask = gl.expand_dims(o_valid, 1) & gl.expand_dims(o_cols < L, 0)
-    o = o / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
-    if ONE_SPLIT:
-        out_ptr = Out + gl.expand_dims(o_tok * stride_o_t + o_head * stride_o_h, 1)
-        gl.store(out_ptr + gl.expand_dims(o_cols, 0), o.to(Out.dtype.element_ty), mask=o_mask)
-    else:
-        m_o = gl.convert_layout(m_i, row_o)
-        lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(gl.maximum(l_o, 1e-30)))
-        mid_row = (o_tok * NUM_HEADS + o_head) * num_splits + split
-        gl.store(MidO + gl.expand_dims(mid_row * L, 1) + gl.expand_dims(o_cols, 0), o, mask=o_mask)
-        gl.store(MidLse + mid_row, lse, mask=o_valid)
+    a = (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, half_desc,
+         rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start,
+         q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_warpgroup0, (a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL)),
+            (_warpgroup1, (a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL)),
+        ],
+        [gl.num_warps()],  # the second warpgroup: as many warps as the first
+        [WORKER_REGS],
+    )
 
 
 @dataclass(frozen=True)
@@ -280,17 +396,17 @@ _MAX_CACHED = 1024
 
 
 def descriptors(cache: torch.Tensor, lora: int, rope: int) -> tuple[TensorDescriptor, ...]:
-    """TMA descriptors of the cache's latent rows: the kv_c box and the k_pe box."""
+    """TMA descriptors of the cache's latent rows: a half of kv_c, and k_pe."""
     key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, lora, rope)
     found = _DESCRIPTORS.get(key)
     if found is not None:
         return found
-    kv_layout, pe_layout = _layouts(lora, rope, cache.dtype)
-    rows = (cache.shape[0] * cache.shape[1], lora + rope)
+    layout = _layout(cache.dtype)
+    rows = [cache.shape[0] * cache.shape[1], lora + rope]
     base = _CacheBase(cache.data_ptr(), cache.dtype)
     made = (
-        TensorDescriptor(base, list(rows), [lora + rope, 1], [BLOCK_N, lora], kv_layout),
-        TensorDescriptor(base, list(rows), [lora + rope, 1], [BLOCK_N, rope], pe_layout),
+        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, lora // 2], layout),
+        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, rope], layout),
     )
     if len(_DESCRIPTORS) >= _MAX_CACHED:
         _DESCRIPTORS.clear()
@@ -299,12 +415,10 @@ def descriptors(cache: torch.Tensor, lora: int, rope: int) -> tuple[TensorDescri
 
 
 @functools.cache
-def _layouts(lora: int, rope: int, dtype: torch.dtype) -> tuple:
-    gl_dtype = _GL_DTYPES[dtype]
-    return (
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, lora], gl_dtype),
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl_dtype),
-    )
+def _layout(dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    # the 128-byte swizzle of a [64, 64] 16-bit tile; wider tiles of 64-column multiples
+    # get the same one, so every shared buffer of the kernel uses it
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], _GL_DTYPES[dtype])
 
 
 def plan(
@@ -326,12 +440,12 @@ def plan(
 ) -> tuple:
     """The attention launch ``(kernel, grid, args, kwargs)``; tiles of 64 rows."""
     num_heads, lora, rope = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
-    kv_desc, pe_desc = descriptors(cache, lora, rope)
+    half_desc, rope_desc = descriptors(cache, lora, rope)
     args = (
         q_nope,
         q_pe,
-        kv_desc,
-        pe_desc,
+        half_desc,
+        rope_desc,
         block_table,
         seq_lens,
         query_start_loc,
@@ -350,6 +464,7 @@ def plan(
         scale * LOG2E,
         kv_per_split,
         num_splits,
+        cache.shape[0] * cache.shape[1],
     )
     kwargs = dict(
         NUM_HEADS=num_heads,
@@ -358,9 +473,9 @@ def plan(
         BLOCK_SIZE=cache.shape[1],
         TILE_M=BLOCK_M,
         TILE_N=BLOCK_N,
-        STAGES=STAGES,
         ONE_SPLIT=num_splits == 1,
         CAUSAL=causal,
+        WORKER_REGS=WORKER_REGS,
         num_warps=NUM_WARPS,
     )
     return (_mla_attention_sm90, (tiles.shape[1], num_splits), args, kwargs)
