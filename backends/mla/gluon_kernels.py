@@ -56,9 +56,8 @@ WORKER_REGS = 240  # registers per thread of the worker warpgroup (setmaxnreg)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 # shared-memory barriers between the two warpgroups
-_MAX0 = gl.constexpr(0)  # warpgroup 0's row max of its tile is in stats[0]
-_P1 = gl.constexpr(1)  # warpgroup 1's row max is in stats[1], its P1 in the P buffer
-_P0 = gl.constexpr(2)  # warpgroup 0's rescaled P0 is in the P buffer
+_P0 = gl.constexpr(1)  # warpgroup 0's P0 (at its own max) is in the P buffer, the max in stats[0]
+_P1 = gl.constexpr(2)  # warpgroup 1's P1 (at the pair's max) is there, the max in stats[1]
 _SUM = gl.constexpr(3)  # (+ warpgroup) the row sums are in stats[2 + warpgroup]
 
 
@@ -177,35 +176,28 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
         s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, 1 - WG, False, L)
         s = warpgroup_mma_wait(0, deps=[s])
         s = _masked(s, 2 * i + WG, kv_lo, kv_hi, q_pos, qk_scale, s_layout, TILE_N, CAUSAL)
-        # the row max: warpgroup 1's includes warpgroup 0's, so both end on the same
         if WG == 0:
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            # P0 and its max for warpgroup 1, which moves it to the pair's max itself
+            p16 = p.to(dtype)
             stats[0].store(m_new)
-            mbarrier.arrive(sync_bars.index(_MAX0), count=1)
-        else:
-            mbarrier.wait(sync_bars.index(_MAX0), ph)
-            m_new = gl.maximum(stats[0].load(row_s), gl.max(s, axis=1))
-            stats[1].store(m_new)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        m_i = m_new
-        if WG == 0:
-            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), kn.slice(0, HALF, dim=1),
-                              o, is_async=True)  # fmt: skip
-            # warpgroup 1's max (the pair's) and P1; P0 moves to that max for it
-            mbarrier.wait(sync_bars.index(_P1), ph)
-            m_pair = stats[1].load(row_s)
-            beta = gl.exp2(m_i - m_pair)
-            p_scaled = (p * gl.expand_dims(beta, 1)).to(dtype)
+            p_s.store(p16)
+            mbarrier.arrive(sync_bars.index(_P0), count=1)
+            o = warpgroup_mma(gl.convert_layout(p16, p_op), kn.slice(0, HALF, dim=1), o,
+                              is_async=True)  # fmt: skip
             o = warpgroup_mma_wait(0, deps=[o])
             # P0·V0 retired: this slot's left half takes the next pair's first tile
             row = _tile_row(table_row, kv_lo, 2 * i + 2, n_iter, oob_row, BLOCK_SIZE, TILE_N)
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 0, row, more, 0, L)
+            # warpgroup 1's P1, at the pair's max
+            mbarrier.wait(sync_bars.index(_P1), ph)
+            m_pair = stats[1].load(row_s)
             p_other = p_s.load(p_op)
-            p_s.store(p_scaled)
-            mbarrier.arrive(sync_bars.index(_P0), count=1)
+            beta = gl.exp2(m_new - m_pair)
             o = o * gl.expand_dims(gl.convert_layout(beta, row_o), 1)
             l_i = l_i * beta
             m_i = m_pair
@@ -215,20 +207,30 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
             row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 0, L)
         else:
-            p_s.store(p.to(dtype))
-            mbarrier.arrive(sync_bars.index(_P1), count=1)
-            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), kn.slice(HALF, HALF, dim=1),
-                              o, is_async=True)  # fmt: skip
+            # the pair's max includes warpgroup 0's; P0 moves to it here
             mbarrier.wait(sync_bars.index(_P0), ph)
-            p_other = p_s.load(p_op)
-            o = warpgroup_mma(p_other, kn_ring.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(1, deps=[o])
-            # P1·V1 retired: this slot's right half takes the next pair's second tile
-            row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
-            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 1, L)
+            m_0 = stats[0].load(row_s)
+            m_new = gl.maximum(m_0, gl.max(s, axis=1))
+            p0 = p_s.load(s_layout).to(gl.float32) * gl.expand_dims(gl.exp2(m_0 - m_new), 1)
+            p0 = gl.convert_layout(p0.to(dtype), p_op)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            m_i = m_new
+            p16 = p.to(dtype)
+            stats[1].store(m_new)
+            p_s.store(p16)
+            mbarrier.arrive(sync_bars.index(_P1), count=1)
+            o = warpgroup_mma(gl.convert_layout(p16, p_op), kn.slice(HALF, HALF, dim=1), o,
+                              is_async=True)  # fmt: skip
+            o = warpgroup_mma(p0, kn_ring.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
+            # both right halves are free: the next pair's tiles
             row = _tile_row(table_row, kv_lo, 2 * i + 2, n_iter, oob_row, BLOCK_SIZE, TILE_N)
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 0, row, more, 1, L)
+            row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
+            _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 1, L)
 
     # each warpgroup summed the probabilities of its own tiles
     stats[2 + WG].store(l_i)
