@@ -61,12 +61,20 @@ def test_a_non_contiguous_cache_is_not_handed_to_tma():
     assert "contiguous" in gluon_kernels.applies(q_nope, q_pe, wider, HOPPER)
 
 
+def test_pieces_are_whole_64_column_units_of_a_half():
+    for lora in (128, 256, 512):
+        width = gluon_kernels.piece_width(lora)
+        assert width % 64 == 0 and (lora // 2) % width == 0
+        assert 2 * (lora // 2 // width) * 2 <= 16  # barriers: 2 slots x 2 halves x pieces
+
+
 def test_descriptors_cover_the_cache_rows_and_are_reused():
     _, _, cache = _tensors()
     kv, pe = gluon_kernels.descriptors(cache, 512, 64)
     assert kv.base.data_ptr() == cache.data_ptr() == pe.base.data_ptr()
     assert list(kv.shape) == [8 * 64, 576] and list(kv.strides) == [576, 1]
-    assert list(kv.block_shape) == [64, 256] and list(pe.block_shape) == [64, 64]
+    assert list(kv.block_shape) == [64, gluon_kernels.piece_width(512)]
+    assert list(pe.block_shape) == [64, 64]
     assert gluon_kernels.descriptors(cache, 512, 64) == (kv, pe)
     # another cache (address or shape) gets its own
     other = torch.zeros(16, 64, 576, dtype=torch.bfloat16)

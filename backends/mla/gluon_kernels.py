@@ -12,20 +12,24 @@ split, and hand work back and forth like FlashMLA's sm_90 decode kernel:
   no score computed twice), each in its own registers;
 - the output is split by columns: warpgroup 0 owns latent columns [0, L/2),
   warpgroup 1 [L/2, L), so each runs P0·V0 and P1·V1 on its half;
-- the running row max passes from 0 to 1 through shared memory (1's max includes
-  0's), and P1 and the rescaled P0 go through one shared buffer, so while one
-  warpgroup does its softmax the other keeps the tensor cores busy;
+- warpgroup 0 hands its P0 (at its own row max) and that max to warpgroup 1 through
+  shared memory; warpgroup 1 takes the pair's max (its own includes 0's), moves P0
+  to it and runs P0·V0 first, then P1·V1, and hands P1 and the max back; warpgroup 0
+  rescales its half and runs P1·V1. While one warpgroup does its softmax the other
+  keeps the tensor cores busy, and P0 and P1 share one buffer;
 - the query stays in shared memory; the two tiles of a pair sit in a two-slot ring,
-  each slot in two halves with a barrier each (the left half of kv_c; the right half
-  with k_pe). A half is refilled by the warpgroup that reads it last, as soon as its
-  last P·V retires, and each warpgroup first computes the scores of the half it
+  each slot in two halves (the left half of kv_c; the right half with k_pe) loaded in
+  pieces with a barrier each, so scores start on the first piece. A half is refilled
+  by the warpgroup that reads it last as soon as its last P·V retires (three of the
+  four halves mid-pair), and each warpgroup first computes the scores of the half it
   loaded itself. Q (72 KiB) + 2 tiles (144 KiB) + P (8 KiB) fill sm_90's 227 KiB;
 - a pair past the KV range's end (odd tile count) reads rows past the cache through
   TMA, which fills zeros, and masks them: no block-table entry past the request's
   blocks is read.
 
-It computes exactly what ``_mla_attention`` does (the same tiles, split-KV partial
-outputs and log2-sum-exp for ``_mla_reduce``, causal limit per row) for 16-bit
+It computes what ``_mla_attention`` does (the same tiles, split-KV partial outputs
+and log2-sum-exp for ``_mla_reduce``, causal limit per row; P0 is rounded to 16 bits
+once more, when moved to the pair's max) for 16-bit
 queries and caches with kv_lora_rank 128, 256 or 512; fp8 caches, fp32, other GPUs
 and the interpreter use the Triton kernel. ``applies`` says when this one is chosen.
 """
@@ -52,6 +56,13 @@ BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M
 BLOCK_N = 64  # latent rows per tile
 NUM_WARPS = 4  # per warpgroup; the kernel runs two (the second is a worker partition)
 WORKER_REGS = 240  # registers per thread of the worker warpgroup (setmaxnreg)
+PIECES = 4  # TMA pieces per half tile, each on its own barrier: scores start on the first
+
+
+def piece_width(lora: int) -> int:
+    """Latent columns per TMA piece: a half of kv_c in PIECES pieces of 64-column units."""
+    return max(64, lora // 2 // PIECES)
+
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -96,32 +107,41 @@ def _tile_row(table_row, kv_lo, j, n_iter, oob_row, BLOCK_SIZE: gl.constexpr, TI
 def _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, slot, row, pred,
                HALF_IDX: gl.constexpr, L: gl.constexpr):  # fmt: skip
     """TMA of one half of the latent tile at cache row ``row`` into ring slot ``slot``:
-    the left half of kv_c (HALF_IDX 0), or its right half and k_pe (HALF_IDX 1)."""
-    bar = load_bars.index(slot * 2 + HALF_IDX)
-    kn = kn_ring.index(slot).slice(HALF_IDX * (L // 2), L // 2, dim=1)
-    if HALF_IDX == 0:
-        mbarrier.expect(bar, half_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(half_desc, [row, 0], bar, kn, pred=pred)
-    else:
-        mbarrier.expect(bar, half_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(half_desc, [row, L // 2], bar, kn, pred=pred)
-        tma.async_copy_global_to_shared(rope_desc, [row, L], bar, kr_ring.index(slot), pred=pred)
+    the left half of kv_c (HALF_IDX 0), or its right half and k_pe (HALF_IDX 1), in
+    pieces of the descriptor's box width, each on its own barrier (k_pe on the last)."""
+    W: gl.constexpr = half_desc.block_type.shape[1]
+    for k in gl.static_range(L // 2 // W):
+        bar = load_bars.index((slot * 2 + HALF_IDX) * (L // 2 // W) + k)
+        dst = kn_ring.index(slot).slice(HALF_IDX * (L // 2) + k * W, W, dim=1)
+        if HALF_IDX == 1 and k == L // 2 // W - 1:
+            mbarrier.expect(bar, half_desc.block_type.nbytes + rope_desc.block_type.nbytes,
+                            pred=pred)  # fmt: skip
+            tma.async_copy_global_to_shared(half_desc, [row, HALF_IDX * (L // 2) + k * W], bar,
+                                            dst, pred=pred)  # fmt: skip
+            tma.async_copy_global_to_shared(
+                rope_desc, [row, L], bar, kr_ring.index(slot), pred=pred
+            )
+        else:
+            mbarrier.expect(bar, half_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(half_desc, [row, HALF_IDX * (L // 2) + k * W], bar,
+                                            dst, pred=pred)  # fmt: skip
 
 
 @gluon.jit
-def _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, slot, phase,
+def _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, slot, phase, W: gl.constexpr,
                 HALF_IDX: gl.constexpr, FIRST: gl.constexpr, L: gl.constexpr):  # fmt: skip
     """Chain one half of S = Q·K^T (the right half with the rope part) into s as
-    asynchronous wgmmas, once that half of the tile has landed."""
-    mbarrier.wait(load_bars.index(slot * 2 + HALF_IDX), phase)
-    for c in gl.static_range(L // 128):
-        s = warpgroup_mma(
-            q_nope_s.slice(HALF_IDX * (L // 2) + c * 64, 64, dim=1),
-            kn.slice(HALF_IDX * (L // 2) + c * 64, 64, dim=1).permute((1, 0)),
-            s,
-            use_acc=(c > 0) or not FIRST,
-            is_async=True,
-        )
+    asynchronous wgmmas, each piece of W columns once it has landed."""
+    for k in gl.static_range(L // 2 // W):
+        mbarrier.wait(load_bars.index((slot * 2 + HALF_IDX) * (L // 2 // W) + k), phase)
+        for c in gl.static_range(W // 64):
+            s = warpgroup_mma(
+                q_nope_s.slice(HALF_IDX * (L // 2) + k * W + c * 64, 64, dim=1),
+                kn.slice(HALF_IDX * (L // 2) + k * W + c * 64, 64, dim=1).permute((1, 0)),
+                s,
+                use_acc=(k > 0) or (c > 0) or not FIRST,
+                is_async=True,
+            )
     if HALF_IDX == 1:
         s = warpgroup_mma(q_rope_s, kr.permute((1, 0)), s, is_async=True)
     return s
@@ -149,6 +169,7 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
      qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h) = a  # fmt: skip
     dtype: gl.constexpr = half_desc.dtype
     HALF: gl.constexpr = L // 2
+    W: gl.constexpr = half_desc.block_type.shape[1]  # latent columns per TMA piece
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
     )
@@ -172,8 +193,8 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
         kr = kr_ring.index(WG)
         # the scores of tile 2i + WG, the half this warpgroup loaded itself first
         s = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)
-        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, WG, True, L)
-        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, 1 - WG, False, L)
+        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, W, WG, True, L)
+        s = _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, WG, ph, W, 1 - WG, False, L)
         s = warpgroup_mma_wait(0, deps=[s])
         s = _masked(s, 2 * i + WG, kv_lo, kv_hi, q_pos, qk_scale, s_layout, TILE_N, CAUSAL)
         if WG == 0:
@@ -211,12 +232,13 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
             mbarrier.wait(sync_bars.index(_P0), ph)
             m_0 = stats[0].load(row_s)
             m_new = gl.maximum(m_0, gl.max(s, axis=1))
-            p0 = p_s.load(s_layout).to(gl.float32) * gl.expand_dims(gl.exp2(m_0 - m_new), 1)
-            p0 = gl.convert_layout(p0.to(dtype), p_op)
             alpha = gl.exp2(m_i - m_new)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p0 = p_s.load(s_layout).to(gl.float32) * gl.expand_dims(gl.exp2(m_0 - m_new), 1)
+            o = warpgroup_mma(gl.convert_layout(p0.to(dtype), p_op),
+                              kn_ring.index(0).slice(HALF, HALF, dim=1), o, is_async=True)  # fmt: skip
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             m_i = m_new
             p16 = p.to(dtype)
             stats[1].store(m_new)
@@ -224,11 +246,11 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
             mbarrier.arrive(sync_bars.index(_P1), count=1)
             o = warpgroup_mma(gl.convert_layout(p16, p_op), kn.slice(HALF, HALF, dim=1), o,
                               is_async=True)  # fmt: skip
-            o = warpgroup_mma(p0, kn_ring.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[o])
-            # both right halves are free: the next pair's tiles
+            o = warpgroup_mma_wait(1, deps=[o])
+            # P0·V0 retired: slot 0's right half takes the next pair's first tile
             row = _tile_row(table_row, kv_lo, 2 * i + 2, n_iter, oob_row, BLOCK_SIZE, TILE_N)
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 0, row, more, 1, L)
+            o = warpgroup_mma_wait(0, deps=[o])
             row = _tile_row(table_row, kv_lo, 2 * i + 3, n_iter, oob_row, BLOCK_SIZE, TILE_N)
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, 1, row, more, 1, L)
 
@@ -277,7 +299,7 @@ def _warpgroup1(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.cons
 def _mla_attention_sm90(
     QN,  # [T, H, L] absorbed q_nope
     QP,  # [T, H, R] q_pe
-    half_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, L / 2]
+    half_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, piece_width(L)]
     rope_desc,  # the same rows, box [TILE_N, R]
     BlockTable,  # [num_reqs, max_blocks] int32
     SeqLens,  # [num_reqs] int32
@@ -338,9 +360,9 @@ def _mla_attention_sm90(
         gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
         gl.allocate_shared_memory(gl.float32, [TILE_M], stats_layout),
     )
-    load_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    load_bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())
     sync_bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
+    for i in gl.static_range(16):
         mbarrier.init(load_bars.index(i), count=1)
     for i in gl.static_range(8):
         mbarrier.init(sync_bars.index(i), count=1)
@@ -398,7 +420,7 @@ _MAX_CACHED = 1024
 
 
 def descriptors(cache: torch.Tensor, lora: int, rope: int) -> tuple[TensorDescriptor, ...]:
-    """TMA descriptors of the cache's latent rows: a half of kv_c, and k_pe."""
+    """TMA descriptors of the cache's latent rows: a piece of kv_c, and k_pe."""
     key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, lora, rope)
     found = _DESCRIPTORS.get(key)
     if found is not None:
@@ -407,7 +429,7 @@ def descriptors(cache: torch.Tensor, lora: int, rope: int) -> tuple[TensorDescri
     rows = [cache.shape[0] * cache.shape[1], lora + rope]
     base = _CacheBase(cache.data_ptr(), cache.dtype)
     made = (
-        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, lora // 2], layout),
+        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, piece_width(lora)], layout),
         TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, rope], layout),
     )
     if len(_DESCRIPTORS) >= _MAX_CACHED:
