@@ -388,13 +388,20 @@ def sweep(shape: Shape, args) -> tuple[list[Row], dict | None]:
 # -- output ------------------------------------------------------------------------------
 
 
-def table(rows: list[Row]) -> str:
-    head = f"{'shape':<26} {'impl':<40} {'us':>8} {'TFLOP/s':>8} {'GB/s':>7} {'rel err':>8} {'vs FI':>6}  note"
+def table(rows: list[Row], copy_bw: float | None = None) -> str:
+    """The rows; with copy_bw (bytes/s), each row's bytes/s as a share of it too."""
+    head = (
+        f"{'shape':<26} {'impl':<40} {'us':>8} {'TFLOP/s':>8} {'GB/s':>7} {'%copy':>6} "
+        f"{'rel err':>8} {'vs FI':>6}  note"
+    )
     lines = [head, "-" * len(head)]
+    if copy_bw:
+        lines.insert(0, f"copy bandwidth (read+write, measured now): {copy_bw / 1e12:.3f} TB/s")
     for r in rows:
         vs = f"{r.vs_flashinfer:.2f}x" if r.vs_flashinfer else ""
+        pct = f"{100.0 * r.gbps * 1e9 / copy_bw:6.1f}" if copy_bw else f"{'':6}"
         lines.append(
-            f"{r.shape:<26} {r.impl:<40} {r.us:8.1f} {r.tflops:8.1f} {r.gbps:7.0f} "
+            f"{r.shape:<26} {r.impl:<40} {r.us:8.1f} {r.tflops:8.1f} {r.gbps:7.0f} {pct} "
             f"{r.rel_err:8.1e} {vs:>6}  {r.note}"
         )
     return "\n".join(lines)
@@ -447,10 +454,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             extra["best"] = dict(best, num_splits=splits)
     else:
+        from attention import measure_copy_bandwidth  # the attention benchmark's measure
+
+        copy_bw = measure_copy_bandwidth("cuda")
+        extra["copy_bandwidth"] = copy_bw
         rows = []
         for shape in [custom] if custom else [HEADLINE, *MORE]:
             rows += compare(shape)
-        text = table(rows)
+        text = table(rows, copy_bw)
     print(text)
     save(rows, text, extra)
     return 0
