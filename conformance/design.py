@@ -442,6 +442,21 @@ def _mla_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> lis
     out += _fp8_scenarios(base)
     if level == "full":
         out.append(_many_blocks(base))
+        if sizes_match(backend.capabilities.block_sizes, 64):
+            # the page size MLA kernels are tuned for (FlashMLA's): a kernel that takes
+            # only whole 64-row pages (a Hopper one, say) runs here with 128 heads,
+            # decodes, a chunk and a prefill, and odd and even page counts per request
+            out.append(
+                _make(
+                    base,
+                    "mla-block-64-heads-128",
+                    {"block_size", "gqa"},
+                    block_size=64,
+                    num_heads=128,
+                    seq_lens=(160, 128, 300, 70),
+                    query_lens=(1, 1, 9, 70),
+                )
+            )
     return out
 
 
