@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from pagedkv.intmath import cdiv, next_power_of_2
 
 # fp8 cache formats and their mantissa bits (exponent bits: 7 - mantissa bits)
 _FP8_MANTISSA_BITS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -194,14 +195,14 @@ def plan_write_kv(
     v_store = None if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
     num_heads, head_size = key.shape[1], key.shape[2]
     head_size_v = head_size if value is None else value.shape[2]
-    head_pad = triton.next_power_of_2(head_size)
-    head_pad_v = triton.next_power_of_2(head_size_v)
+    head_pad = next_power_of_2(head_size)
+    head_pad_v = next_power_of_2(head_size_v)
     num_rows = slot_mapping.shape[0] * num_heads
     # fixed per head size (not per batch), so batch sizes never trigger a recompile
     block_r = max(1, _TILE_ELEMENTS // max(head_pad, head_pad_v))
     has_value = value is not None
     val, vcache = (value, v_store) if has_value else (key, k_store)
-    grid = (triton.cdiv(num_rows, block_r),)
+    grid = (cdiv(num_rows, block_r),)
     args = (
         key,
         val,

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from pagedkv.backends.mla.configs import KernelConfig
+from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.triton_kv_write import fix_interpreter_loop_bounds, fp32_to_fp8_bits
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -45,7 +46,7 @@ Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]
 
 def pad_dim(n: int) -> int:
     """Power of two >= n and >= 16 (tl.arange needs powers of two, tl.dot K >= 16)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 # -- latent write ------------------------------------------------------------------------
@@ -510,12 +511,12 @@ def _plan_reduce(
     if num_splits == 1 or not num_tokens:
         return []
     num_heads, lora = out.shape[1], out.shape[2]
-    splits_pad = triton.next_power_of_2(num_splits)
+    splits_pad = next_power_of_2(num_splits)
     # at most 4096 partial values per program (32 float32 registers a thread)
     block_l = max(16, min(pad_dim(lora), 4096 // splits_pad))
     args = (mid_o, mid_lse, out, out.stride(0), out.stride(1), out_scale, num_splits)
     kwargs = dict(NUM_HEADS=num_heads, L=lora, SPLITS_PAD=splits_pad, BLOCK_L=block_l, num_warps=4)
-    grid = (num_tokens * num_heads, triton.cdiv(lora, block_l))
+    grid = (num_tokens * num_heads, cdiv(lora, block_l))
     return [(_mla_reduce, grid, args, kwargs)]
 
 

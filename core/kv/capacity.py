@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagedkv.errors import KVCacheUsageError
+from pagedkv.intmath import cdiv
 from pagedkv.kv.presets import ModelPreset
 from pagedkv.spec import AttentionSpec
 
@@ -36,10 +37,6 @@ def dtype_bytes(name: str) -> float:
         raise KVCacheUsageError(
             f"unknown dtype {name!r}: expected one of {', '.join(DTYPE_BYTES)}"
         ) from None
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.errors import DoubleFreeError, KVCacheUsageError, UnknownRequestError
+from pagedkv.intmath import cdiv
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.hashing import BlockHasher
@@ -40,10 +41,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _raise_negative(rid: str, **counts: int) -> None:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Protocol
 
 from pagedkv.errors import KVCacheUsageError
-from pagedkv.kv.manager import KVCacheManager, cdiv
+from pagedkv.intmath import cdiv
+from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.request import Request
 from pagedkv.kv.trace import TraceRequest
 

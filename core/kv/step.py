@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedkv.errors import KVCacheUsageError, MetadataError
+from pagedkv.intmath import cdiv
 from pagedkv.kv.block_table import BlockTable
-from pagedkv.kv.manager import BlockCopy, cdiv
+from pagedkv.kv.manager import BlockCopy
 from pagedkv.metadata import CommonAttentionMetadata
 
 
