@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedkv.errors import MetadataError
+from pagedkv.intmath import cdiv
 from pagedkv.slots import compute_slot_mapping
 
 
@@ -89,7 +90,7 @@ class CommonAttentionMetadata:
                 raise MetadataError(
                     f"request {i}: need 0 <= query_len <= seq_len, got query_len={q}, seq_len={s}"
                 )
-            need = -(-s // block_size)
+            need = cdiv(s, block_size)
             if len(block_ids[i]) < need:
                 raise MetadataError(
                     f"block_ids[{i}]: seq_len {s} needs {need} blocks of {block_size}, got "
