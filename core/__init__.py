@@ -46,7 +46,7 @@ _EXPORTS = {
     "AttentionMetadataBuilder": "pagedkv.backend",
     "AttentionSpec": "pagedkv.spec",
     "BackendChoice": "pagedkv.selection",
-    "BackendOption": "pagedkv.backend",
+    "BackendOption": "pagedkv.options",
     "BackendRecord": "pagedkv.registry",
     "Capabilities": "pagedkv.capabilities",
     "CommonAttentionMetadata": "pagedkv.metadata",

@@ -20,56 +20,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from pagedkv.capabilities import Capabilities
 from pagedkv.errors import ConfigError, UnsupportedError
 from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.options import BackendOption, OptionValue
 from pagedkv.spec import AttentionSpec
 
-OptionValue = str | int | float | bool
 M = TypeVar("M")
-
-
-@dataclass(frozen=True)
-class BackendOption:
-    """One ``key=value`` a backend accepts in a config string."""
-
-    default: OptionValue | None
-    help: str
-    choices: tuple[OptionValue, ...] | None = None
-    kind: type = str
-
-    def parse(self, key: str, raw: OptionValue) -> OptionValue:
-        value: OptionValue
-        if isinstance(raw, str) and self.kind is not str:
-            try:
-                value = _BOOLS[raw.lower()] if self.kind is bool else self.kind(raw)
-            except (ValueError, KeyError):
-                raise ConfigError(
-                    f"option {key}={raw!r}: expected a {self.kind.__name__}"
-                ) from None
-        else:
-            value = raw
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(
-                f"option {key}={value!r}: expected one of {', '.join(map(str, self.choices))}"
-            )
-        return value
-
-
-_BOOLS = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
-}
 
 
 class AttentionMetadataBuilder(ABC, Generic[M]):
