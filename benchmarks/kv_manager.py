@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from pagedkv.cli.table import format_table
 from pagedkv.kv import BlockPool, KVCacheManager, Request, ScheduledRequest, StepAssembler
 from pagedkv.slots import compute_slot_mapping
+from pagedkv.textutil import format_table
 
 CLOCK = time.process_time
 

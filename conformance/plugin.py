@@ -207,8 +207,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     run = config.stash.get(RUN_KEY, None)
     if run is None or not run.collected:
         return
-    from pagedkv.cli.table import format_table
     from pagedkv.conformance.report import matrix_rows, report_data, summary_lines
+    from pagedkv.textutil import format_table
 
     data = report_data(run)
     tr = terminalreporter

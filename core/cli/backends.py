@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from pagedkv.cli.table import format_table
 from pagedkv.registry import list_backends
+from pagedkv.textutil import format_table
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -6,7 +6,6 @@ import argparse
 import json
 from typing import Any
 
-from pagedkv.cli.table import format_table
 from pagedkv.errors import KVCacheUsageError
 from pagedkv.kv.capacity import (
     GiB,
@@ -17,6 +16,7 @@ from pagedkv.kv.capacity import (
     weights_bytes_per_rank,
 )
 from pagedkv.kv.presets import PRESETS, get_preset
+from pagedkv.textutil import format_table
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

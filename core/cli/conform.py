@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from pagedkv.cli.table import format_table
+from pagedkv.textutil import format_table
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 import torch
-from pagedkv.cli.table import format_table
 from pagedkv.selection import default_config, select_backend
+from pagedkv.textutil import format_table
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pagedkv.cli.table import format_table
 from pagedkv.errors import KVCacheUsageError
 from pagedkv.kv.capacity import GiB, KVShape, estimate_capacity
 from pagedkv.kv.presets import get_preset
 from pagedkv.kv.simulate import TABLE_HEADERS, markdown_table, plot, simulate, table_rows
 from pagedkv.kv.trace import load_trace, sharegpt_like
+from pagedkv.textutil import format_table
 
 
 def default_pool_tokens() -> int:

@@ -1,4 +1,4 @@
-"""Plain-text tables for terminal output."""
+"""Plain-text tables for terminal output (the CLI, the conformance summary, benchmarks)."""
 
 from __future__ import annotations
 
