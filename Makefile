@@ -31,9 +31,11 @@ test: $(STAMP) lint test-unit test-conformance
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The plugin template is installed as a distribution, as a backend author would.
 test-conformance: $(STAMP)
+	$(PY) -m pip install -q --no-deps --no-build-isolation ./examples/plugin_template
 	TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
-		--backend torch --backend triton --backend pallas --backend mla
+		--backend torch --backend triton --backend pallas --backend mla --backend my_backend
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

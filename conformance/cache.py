@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.problem import GARBAGE, PAD_VALUE, PagedProblem
-from pagedkv.kv_write import dequantize_from_cache, quantize_for_cache
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import dequantize_from_cache, quantize_for_cache
 
 # Unreferenced blocks are checked this many at a time, on the cache's device, so
 # a pool of more than 32k blocks is never copied to the host whole.

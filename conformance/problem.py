@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.scenario import Scenario
-from pagedkv.kv_write import dequantize_from_cache, quantize_for_cache
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.reference import reference_attention, reference_mla
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import dequantize_from_cache, quantize_for_cache
 
 # What slots past a sequence's end hold: finite, far from real data, so a kernel
 # that reads them without masking shows a large error (and stays NaN-free).

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
         AttentionBackend,
         AttentionImpl,
         AttentionMetadataBuilder,
-        BackendOption,
+        BackendMetadata,
     )
     from pagedkv.capabilities import Capabilities, MultipleOf
     from pagedkv.errors import (
@@ -35,7 +35,10 @@ if TYPE_CHECKING:
         UnsupportedError,
     )
     from pagedkv.features import Feature
+    from pagedkv.graph import GraphBounds, GraphSupport
+    from pagedkv.layout import KVLayout
     from pagedkv.metadata import CommonAttentionMetadata
+    from pagedkv.options import BackendOption
     from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
     from pagedkv.selection import BackendChoice, parse_config, select_backend
     from pagedkv.spec import AttentionSpec
@@ -45,6 +48,7 @@ _EXPORTS = {
     "AttentionImpl": "pagedkv.backend",
     "AttentionMetadataBuilder": "pagedkv.backend",
     "AttentionSpec": "pagedkv.spec",
+    "BackendMetadata": "pagedkv.backend",
     "BackendChoice": "pagedkv.selection",
     "BackendOption": "pagedkv.options",
     "BackendRecord": "pagedkv.registry",
@@ -53,6 +57,9 @@ _EXPORTS = {
     "ConfigError": "pagedkv.errors",
     "DuplicateBackendError": "pagedkv.errors",
     "Feature": "pagedkv.features",
+    "GraphBounds": "pagedkv.graph",
+    "GraphSupport": "pagedkv.graph",
+    "KVLayout": "pagedkv.layout",
     "MetadataError": "pagedkv.errors",
     "MultipleOf": "pagedkv.capabilities",
     "NoUsableBackendError": "pagedkv.errors",
@@ -93,6 +100,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "BackendChoice",
+    "BackendMetadata",
     "BackendOption",
     "BackendRecord",
     "Capabilities",
@@ -100,6 +108,9 @@ __all__ = [
     "ConfigError",
     "DuplicateBackendError",
     "Feature",
+    "GraphBounds",
+    "GraphSupport",
+    "KVLayout",
     "MetadataError",
     "MultipleOf",
     "NoUsableBackendError",

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,17 @@ class Capabilities:
     block_sizes: tuple[SizeRule, ...] = (MultipleOf(1),)
     features: frozenset[Feature] = frozenset()
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    # which steps forward can be captured in a CUDA graph (builder.reserve_cuda_graph)
+    cuda_graph: GraphSupport = GraphSupport.NEVER
     notes: tuple[str, ...] = field(default=(), compare=False)  # e.g. limits per feature
+
+    @property
+    def graph_support(self) -> GraphSupport:
+        """The declared graph support; the first contract's Feature.CUDA_GRAPH means
+        pure-decode steps."""
+        if self.cuda_graph is GraphSupport.NEVER and Feature.CUDA_GRAPH in self.features:
+            return GraphSupport.PURE_DECODE
+        return self.cuda_graph
 
     def problems(self, spec: Any, backend_name: str) -> list[str]:
         """Reasons ``spec`` falls outside these capabilities (empty: inside)."""
@@ -111,4 +122,5 @@ class Capabilities:
             "block_sizes": describe_sizes(self.block_sizes),
             "features": sorted(str(f) for f in self.features),
             "devices": sorted(self.devices),
+            "cuda_graph": str(self.graph_support),
         }

@@ -18,8 +18,8 @@ from pagedkv.conformance.honesty import capability_problems
 from pagedkv.conformance.problem import build_problem, reference_output
 from pagedkv.conformance.report import report_paths, write_report
 from pagedkv.conformance.run import ConformanceRun
-from pagedkv.kv_write import write_rows_by_slot
 from pagedkv.registry import get_registry, reset_registry
+from pagedkv.toolkit.kv_write import write_rows_by_slot
 
 TORCH = pagedkv.get_backend("torch")
 

@@ -29,7 +29,7 @@ from pagedkv.backends.flash_attn.adapters import (
 from pagedkv.backends.flash_attn.backend import FlashAttnBackend
 from pagedkv.backends.flash_attn.impl import FlashAttnImpl
 from pagedkv.conformance import Scenario, run_scenario
-from pagedkv.kv_write import write_rows_by_slot
+from pagedkv.toolkit.kv_write import write_rows_by_slot
 
 ALL = {"fa4": True, "fa3": True, "fa2": True}
 NONE = {"fa4": False, "fa3": False, "fa2": False}

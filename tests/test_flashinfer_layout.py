@@ -15,6 +15,7 @@ from pagedkv import AttentionSpec, CommonAttentionMetadata, ConfigError, Metadat
 from pagedkv.backends.flashinfer import backend as fi_backend
 from pagedkv.backends.flashinfer.backend import FlashInferBackend, jit_toolchain_problem
 from pagedkv.backends.flashinfer.metadata import paged_kv_csr, split_batch
+from pagedkv.layout import BLOCK_HND
 from pagedkv.selection import parse_config
 
 
@@ -98,7 +99,8 @@ SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.floa
 def test_options_parse_from_a_config_string():
     choice = parse_config("flashinfer(kv_layout=HND, prefill_backend=fa2)")[0]
     backend = pagedkv.get_backend(choice.name, **choice.options)
-    assert backend.kv_layout == "HND" and backend.options["prefill_backend"] == "fa2"
+    assert backend.options["kv_layout"] == "HND" and backend.options["prefill_backend"] == "fa2"
+    assert backend.kv_layout is BLOCK_HND
     assert backend.layout == "(num_blocks, 2, num_kv_heads, block_size, head_size)"
     assert FlashInferBackend().layout == "(num_blocks, 2, block_size, num_kv_heads, head_size)"
     with pytest.raises(ConfigError, match=r"kv_layout='NCHW': expected one of NHD, HND"):
@@ -119,7 +121,7 @@ def test_logical_views_address_the_physical_layout(layout):
     block, slot, head = 3, 1, 1
     physical = (block, 1, slot, head) if layout == "NHD" else (block, 1, head, slot)
     assert torch.equal(v[block, slot, head], cache[physical])
-    with pytest.raises(pagedkv.UnsupportedError, match=f"kv_cache: expected the {layout} shape"):
+    with pytest.raises(pagedkv.UnsupportedError, match=f"kv_cache: expected the {layout} layout"):
         backend.kv_cache_to_logical(cache.transpose(2, 3), SPEC.replace(dtype=torch.float32))
 
 

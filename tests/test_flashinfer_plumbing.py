@@ -488,4 +488,4 @@ def test_forward_rejects_a_cache_of_the_other_layout(calls):
 
 def test_registered_under_its_entry_point():
     backend = pagedkv.get_backend("flashinfer", kv_layout="HND")
-    assert isinstance(backend, FlashInferBackend) and backend.kv_layout == "HND"
+    assert isinstance(backend, FlashInferBackend) and backend.options["kv_layout"] == "HND"

@@ -268,7 +268,7 @@ def test_write_skips_negative_slots_and_keeps_other_slots():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_write_matches_the_portable_quantisation(kv_cache_dtype):
-    from pagedkv.kv_write import quantize_for_cache
+    from pagedkv.toolkit.kv_write import quantize_for_cache
 
     spec = _spec(kv_cache_dtype=kv_cache_dtype, k_scale=0.37)
     backend, md, impl = _step(spec, seq_lens=(40,), query_lens=(40,), blocks=((1, 3, 2),))

@@ -10,9 +10,9 @@ import torch
 from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
 from pagedkv.backends.flash_attn.adapters import Adapter, PagedCall
 from pagedkv.errors import MetadataError, UnsupportedError
-from pagedkv.kv_write import write_kv_by_slot
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import write_kv_by_slot
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,11 @@ from pagedkv.backend import (
     OptionValue,
 )
 from pagedkv.capabilities import Capabilities, MultipleOf
-from pagedkv.errors import UnsupportedError
 from pagedkv.features import Feature
+from pagedkv.layout import BLOCK_HND, BLOCK_NHD
 from pagedkv.spec import AttentionSpec
 
-LAYOUTS = {
-    "NHD": "(num_blocks, 2, block_size, num_kv_heads, head_size)",
-    "HND": "(num_blocks, 2, num_kv_heads, block_size, head_size)",
-}
+KV_LAYOUTS = {"NHD": BLOCK_NHD, "HND": BLOCK_HND}
 
 
 class FlashInferBackend(AttentionBackend):
@@ -41,8 +38,7 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
     priority = 45
-    layout = LAYOUTS["NHD"]
-    block_axis = 0
+    kv_layout = BLOCK_NHD
     option_specs: ClassVar[Mapping[str, BackendOption]] = {
         "kv_layout": BackendOption(
             "NHD",
@@ -80,33 +76,9 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, **options: OptionValue) -> None:
         super().__init__(**options)
         # the layout is a property of the configured instance, not of the class
-        self.layout = LAYOUTS[str(self.options["kv_layout"])]
-
-    @property
-    def kv_layout(self) -> str:
-        return str(self.options["kv_layout"])
+        self.kv_layout = KV_LAYOUTS[str(self.options["kv_layout"])]
 
     # -- layout -----------------------------------------------------------------------
-
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        if self.kv_layout == "HND":
-            return (num_blocks, 2, num_kv_heads, block_size, head_size)
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        expected = self.get_kv_cache_shape(
-            kv_cache.shape[0], spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        if tuple(kv_cache.shape) != expected:
-            raise UnsupportedError(
-                f"kv_cache: expected the {self.kv_layout} shape {list(expected)}, "
-                f"got {list(kv_cache.shape)}"
-            )
-        return logical_views(kv_cache, self.kv_layout)
 
     # -- parts ------------------------------------------------------------------------
 

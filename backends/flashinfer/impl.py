@@ -12,9 +12,9 @@ from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
 from pagedkv.backends.flashinfer.backend import logical_views
 from pagedkv.backends.flashinfer.metadata import RowGroup, split_batch
 from pagedkv.errors import MetadataError, UnsupportedError
-from pagedkv.kv_write import write_kv_by_slot
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import write_kv_by_slot
 
 # FlashInfer's recommended float workspace (split-KV partial outputs), shared by
 # every wrapper of one builder: their runs are ordered on one stream.

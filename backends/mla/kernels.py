@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from pagedkv.backends.mla.configs import KernelConfig
 from pagedkv.intmath import cdiv, next_power_of_2
-from pagedkv.triton_kv_write import fix_interpreter_loop_bounds, fp32_to_fp8_bits
+from pagedkv.toolkit.triton_helpers import fix_interpreter_loop_bounds, fp32_to_fp8_bits
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -55,7 +55,7 @@ def pad_dim(n: int) -> int:
 @triton.jit
 def _stored(x, inv_k_scale, FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr):
     """What the cache holds for x: itself, or (FP8_MANTISSA > 0) the fp8 bits of
-    x * (1 / k_scale) saturated, exactly like pagedkv.kv_write.quantize_for_cache."""
+    x * (1 / k_scale) saturated, exactly like pagedkv.toolkit.kv_write.quantize_for_cache."""
     if FP8_MANTISSA > 0:
         y = x.to(tl.float32) * inv_k_scale
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)

@@ -3,7 +3,7 @@
 ``build`` (once per step) turns the batch into query tiles on the host, from the CPU
 copies of the metadata (no device sync), and hands the device metadata to JAX
 through DLPack. ``forward`` (per layer) writes the new K/V with
-``pagedkv.kv_write.write_kv_by_slot`` (torch owns the cache), then launches one
+``pagedkv.toolkit.kv_write.write_kv_by_slot`` (torch owns the cache), then launches one
 jitted kernel on JAX views of the query and the cache.
 """
 
@@ -23,8 +23,8 @@ from pagedkv.backends.pallas.kernel import (
     paged_attention,
 )
 from pagedkv.errors import UnsupportedError
-from pagedkv.kv_write import write_kv_by_slot
 from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.toolkit.kv_write import write_kv_by_slot
 
 # Tile heights (query rows x grouped heads): decode-like batches vs batches with prefill.
 DECODE_BLOCK_M = 16

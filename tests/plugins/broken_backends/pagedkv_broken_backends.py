@@ -14,7 +14,7 @@ import torch
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.impl import TorchAttentionImpl
 from pagedkv.conformance import Scenario
-from pagedkv.kv_write import write_rows_by_slot
+from pagedkv.toolkit.kv_write import write_rows_by_slot
 
 
 class _BrokenBackend(TorchBackend):
@@ -31,19 +31,19 @@ class _ContiguousBlocksImpl(TorchAttentionImpl):
     """Ignores the block table past its first entry: assumes a request's blocks are
     contiguous in the pool (reads first, first + 1, ...)."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
-        num_blocks = -(-seq_len // kv_cache.shape[2])
-        pool = kv_cache.shape[1]
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        num_blocks = -(-seq_len // k_cache.shape[1])
+        pool = k_cache.shape[0]
         row = (table_row[0].long() + torch.arange(num_blocks, device=table_row.device)) % pool
-        return super()._gather(kv_cache, row, seq_len)
+        return super()._gather(k_cache, v_cache, row, seq_len)
 
 
 class _LastTokenDroppedImpl(TorchAttentionImpl):
     """Takes the context length for the sequence length: attends to one key too few."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
         self._short = max(seq_len - 1, 1)
-        return super()._gather(kv_cache, table_row, self._short)
+        return super()._gather(k_cache, v_cache, table_row, self._short)
 
     def _attend(self, query, k, v, seq_len, out):
         super()._attend(query, k, v, self._short, out)
@@ -53,11 +53,11 @@ class _NeighbourBlockImpl(TorchAttentionImpl):
     """Reads a request's last block from the physically next block (pointer
     arithmetic off by one block): a block the table does not name."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
-        num_blocks = -(-seq_len // kv_cache.shape[2])
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        num_blocks = -(-seq_len // k_cache.shape[1])
         row = table_row[:num_blocks].clone()
-        row[num_blocks - 1] = (row[num_blocks - 1] + 1) % kv_cache.shape[1]
-        return super()._gather(kv_cache, row, seq_len)
+        row[num_blocks - 1] = (row[num_blocks - 1] + 1) % k_cache.shape[0]
+        return super()._gather(k_cache, v_cache, row, seq_len)
 
 
 class _HeadModuloImpl(TorchAttentionImpl):
