@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         BackendMetadata,
     )
     from pagedkv.capabilities import Capabilities, MultipleOf
+    from pagedkv.convert import convert_kv_cache
     from pagedkv.errors import (
         ConfigError,
         DuplicateBackendError,
@@ -68,6 +69,7 @@ _EXPORTS = {
     "SpecError": "pagedkv.errors",
     "UnknownBackendError": "pagedkv.errors",
     "UnsupportedError": "pagedkv.errors",
+    "convert_kv_cache": "pagedkv.convert",
     "get_backend": "pagedkv.registry",
     "get_registry": "pagedkv.registry",
     "list_backends": "pagedkv.registry",
@@ -120,6 +122,7 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedError",
     "__version__",
+    "convert_kv_cache",
     "get_backend",
     "get_registry",
     "hookimpl",
