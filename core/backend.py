@@ -124,14 +124,17 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         """From now on every ``build`` returns capture-safe metadata for steps within
         ``bounds`` (module pagedkv.graph). Raises UnsupportedError when the backend
         does not declare graph support for such steps."""
+        self.check_graph_support(bounds)
+        self._graph = GraphStaging(bounds, self.spec.block_size, self.device)
+        self._scratch.clear()
+
+    def check_graph_support(self, bounds: GraphBounds) -> None:
         if not self.graph_support.allows(bounds.max_query_len):
             raise UnsupportedError(
                 f"CUDA graphs: this backend declares graph support {self.graph_support!s}; "
                 f"GraphBounds.max_query_len {bounds.max_query_len} needs "
                 f"{'mixed' if bounds.max_query_len > 1 else 'pure_decode'}"
             )
-        self._graph = GraphStaging(bounds, self.spec.block_size, self.device)
-        self._scratch.clear()
 
     @property
     def graph_bounds(self) -> GraphBounds | None:

@@ -33,11 +33,25 @@ class MultipleOf:
         return text
 
 
-SizeRule = int | MultipleOf
+@dataclass(frozen=True)
+class BothOf:
+    """Sizes both rule lists accept: the intersection of two backends' declarations."""
+
+    first: tuple[SizeRule, ...]
+    second: tuple[SizeRule, ...]
+
+    def matches(self, value: int) -> bool:
+        return sizes_match(self.first, value) and sizes_match(self.second, value)
+
+    def __str__(self) -> str:
+        return f"({describe_sizes(self.first)}) and ({describe_sizes(self.second)})"
+
+
+SizeRule = int | MultipleOf | BothOf
 
 
 def sizes_match(rules: Iterable[SizeRule], value: int) -> bool:
-    return any(r.matches(value) if isinstance(r, MultipleOf) else r == value for r in rules)
+    return any(r == value if isinstance(r, int) else r.matches(value) for r in rules)
 
 
 def describe_sizes(rules: Iterable[SizeRule]) -> str:
@@ -112,6 +126,20 @@ class Capabilities:
         for feature in sorted(spec.required_features() - self.features - {Feature.MLA}):
             out.append(f"{feature} is not supported by {backend_name}")
         return out
+
+    def intersect(self, other: Capabilities) -> Capabilities:
+        """What two backends both support (a composite of the two declares this)."""
+        levels = list(GraphSupport)
+        return Capabilities(
+            dtypes=self.dtypes & other.dtypes,
+            kv_cache_dtypes=self.kv_cache_dtypes & other.kv_cache_dtypes,
+            head_sizes=(BothOf(self.head_sizes, other.head_sizes),),
+            block_sizes=(BothOf(self.block_sizes, other.block_sizes),),
+            features=(self.features & other.features) - {Feature.CUDA_GRAPH},
+            devices=self.devices & other.devices,
+            cuda_graph=min(self.graph_support, other.graph_support, key=levels.index),
+            notes=self.notes + tuple(n for n in other.notes if n not in self.notes),
+        )
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary (for the CLI and reports)."""

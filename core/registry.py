@@ -23,6 +23,7 @@ from pagedkv.backend import AttentionBackend
 from pagedkv.errors import DuplicateBackendError, PagedKVError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "pagedkv"
+PHASE_SPLIT = "split"  # the reserved config name of pagedkv.phase_split
 ALLOWLIST_ENV = "PAGEDKV_PLUGINS"
 
 
@@ -139,6 +140,10 @@ class Registry:
         return sorted(self.entries)
 
     def backend_class(self, name: str) -> type[AttentionBackend]:
+        if name == PHASE_SPLIT:  # a composite of two registered backends, not a plugin
+            from pagedkv.phase_split import PhaseSplitBackend
+
+            return PhaseSplitBackend
         entry = self.entries.get(name)
         if entry is None:
             failure = self.failure_for(name)
