@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         BackendOption,
     )
     from pagedkv.capabilities import Capabilities, MultipleOf
+    from pagedkv.config import BackendChoice, parse_config
     from pagedkv.errors import (
         ConfigError,
         DuplicateBackendError,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
         NoUsableBackendError,
         OutOfBlocksError,
         PagedKVError,
+        RegistryReentryError,
         SpecError,
         UnknownBackendError,
         UnsupportedError,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from pagedkv.features import Feature
     from pagedkv.metadata import CommonAttentionMetadata
     from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
-    from pagedkv.selection import BackendChoice, parse_config, select_backend
+    from pagedkv.selection import select_backend
     from pagedkv.spec import AttentionSpec
 
 _EXPORTS = {
@@ -45,7 +47,7 @@ _EXPORTS = {
     "AttentionImpl": "pagedkv.backend",
     "AttentionMetadataBuilder": "pagedkv.backend",
     "AttentionSpec": "pagedkv.spec",
-    "BackendChoice": "pagedkv.selection",
+    "BackendChoice": "pagedkv.config",
     "BackendOption": "pagedkv.options",
     "BackendRecord": "pagedkv.registry",
     "Capabilities": "pagedkv.capabilities",
@@ -58,13 +60,14 @@ _EXPORTS = {
     "NoUsableBackendError": "pagedkv.errors",
     "OutOfBlocksError": "pagedkv.errors",
     "PagedKVError": "pagedkv.errors",
+    "RegistryReentryError": "pagedkv.errors",
     "SpecError": "pagedkv.errors",
     "UnknownBackendError": "pagedkv.errors",
     "UnsupportedError": "pagedkv.errors",
     "get_backend": "pagedkv.registry",
     "get_registry": "pagedkv.registry",
     "list_backends": "pagedkv.registry",
-    "parse_config": "pagedkv.selection",
+    "parse_config": "pagedkv.config",
     "select_backend": "pagedkv.selection",
 }
 
@@ -105,6 +108,7 @@ __all__ = [
     "NoUsableBackendError",
     "OutOfBlocksError",
     "PagedKVError",
+    "RegistryReentryError",
     "SpecError",
     "UnknownBackendError",
     "UnsupportedError",
