@@ -349,8 +349,12 @@ class Registry:
         return entry.cls
 
     def failure_for(self, name: str) -> PluginFailure | None:
-        """Why ``name`` (a backend, or a plugin that failed as a whole) is unusable."""
-        return next((f for f in self.failures if f.name == name), None)
+        """Why ``name`` (a backend, or a plugin that failed as a whole) is unusable; a
+        backend's own failure first, where a plugin has the same name."""
+        failures = self.failures
+        return next((f for f in failures if f.backend == name), None) or next(
+            (f for f in failures if f.name == name), None
+        )
 
     def create(self, name: str, /, **options: Any) -> AttentionBackend:
         """The backend ``name`` configured with ``options``.

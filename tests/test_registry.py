@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import threading
 import warnings
@@ -11,6 +12,7 @@ import pagedkv
 import pytest
 import torch
 from pagedkv import DuplicateBackendError, NoUsableBackendError, UnknownBackendError
+from pagedkv.cli import main
 from pagedkv.registry import (
     BackendErrorWarning,
     PluginLoadWarning,
@@ -107,7 +109,8 @@ def test_allowlist_naming_no_installed_plugin_warns(load):
 
 
 def test_broken_plugins_are_isolated(load):
-    reg, warned = load("broken", "example")
+    plugins = ["torch", "example", "broken_import", "broken_hook", "broken_return"]
+    reg, warned = load("broken", "example", plugins=plugins)
     assert {"torch", "example", "example_two"} <= set(reg.names())
     failures = {f.plugin: f for f in reg.failures}
     assert set(failures) == {"broken_import", "broken_hook", "broken_return"}
@@ -322,6 +325,32 @@ def test_a_duplicated_name_disables_only_that_name(load):
         pagedkv.select_backend("my_backend", SPEC, "cpu")
     with pytest.raises(DuplicateBackendError, match="backend 'torch' is unusable: backend name"):
         pagedkv.get_backend("torch")
+
+
+def test_pagedkv_backends_lists_every_problem_and_exits_0(load, capsys, monkeypatch):
+    plugins = ["torch", "triton", "impostor", "my_backend", "misspelt_hook", "partly_misspelt"]
+    load("duplicate", "misbehaving", plugins=[*plugins, "tourch"])
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    flat = " ".join(out.split())
+    assert (
+        "backend name 'torch' is claimed by plugin 'impostor' of pagedkv-duplicate-plugin" in flat
+    )
+    assert "backend name 'my_backend' is claimed by plugin 'my_backend' of" in flat
+    assert "pagedkv_backend is not a pagedkv hook (did you mean pagedkv_backends?)" in flat
+    assert "plugin problems: $PAGEDKV_PLUGINS names no installed plugin called tourch" in flat
+    assert (
+        "plugin 'partly_misspelt' (pagedkv-misbehaving-plugins 0.1.0): "
+        "pagedkv_conformance_scenario is not a pagedkv hook" in flat
+    )
+    assert main(["backends", "--json"]) == 0
+    listed = {r["name"]: r for r in json.loads(capsys.readouterr().out) if r["available"]}
+    assert set(listed) >= {"triton", "partly_misspelt"}
+    assert listed["partly_misspelt"]["warnings"][0].endswith(
+        "(did you mean pagedkv_conformance_scenarios?)"
+    )
 
 
 def test_in_process_plugin_registration():
