@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -181,8 +182,7 @@ class Registry:
             self._fail(
                 name,
                 distribution,
-                f"it is the module or object that plugin {holder!r} already registered (two "
-                "distributions installing one module?)",
+                f"it is the same module or object as plugin {holder!r}, registered already",
             )
             return
         # pluggy needs unique plugin names, but two distributions may use one entry-point
@@ -191,6 +191,8 @@ class Registry:
         try:
             self.plugin_manager.register(plugin, name=unique)
         except Exception as exc:
+            if self.plugin_manager.has_plugin(unique):  # pluggy keeps what it checked before
+                self.plugin_manager.unregister(name=unique)
             self._fail(name, distribution, f"registration failed: {describe_exception(exc)}")
             return
         if not self._check_hook_names(plugin, name, distribution):
@@ -382,17 +384,25 @@ class Registry:
             reason = f"constructing it raised {describe_exception(exc)}"
         else:
             available, reason, _ = availability(backend)
+        # declarations may be properties of the instance: read them from it when there is one
+        source = entry.cls if backend is None else backend
         try:
-            caps = (backend or entry.cls).capabilities
+            caps = source.capabilities
             described, notes = caps.describe(), tuple(str(n) for n in caps.notes)
         except Exception as exc:
-            available, described, notes = False, None, ()
-            reason = f"its capabilities cannot be described: {describe_exception(exc)}"
+            described, notes = None, ()
+            if available:
+                available = False
+                reason = f"its capabilities cannot be described: {describe_exception(exc)}"
+        try:
+            layout = str(source.layout)
+        except Exception:
+            layout = "?"
         return BackendRecord(
             entry.name,
             available,
             reason,
-            str(getattr(entry.cls, "layout", "?")),
+            layout,
             described,
             entry.distribution,
             entry.plugin,
@@ -515,13 +525,17 @@ def _is_under(filename: str, roots: list[Path]) -> bool:
 
 
 def _module_roots(module: str) -> list[Path]:
-    """The files of module ``module`` and of its top-level package, found without
-    importing them (their import may be what failed)."""
+    """The files of module ``module`` and of its top-level package, found without running
+    any of their code (their import may be what failed)."""
+    top = module.split(".")[0]
+    names = [top]
+    if module != top and module.rpartition(".")[0] in sys.modules:
+        names.append(module)  # its parent is imported: finding it imports nothing
     out = []
-    for name in dict.fromkeys([module.split(".")[0], module]):
+    for name in names:
         try:
             spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError, AttributeError):
+        except Exception:
             continue
         if spec is None:
             continue

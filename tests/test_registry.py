@@ -378,3 +378,46 @@ def test_in_process_plugin_with_an_unmarked_method_is_reported():
     with pytest.warns(PluginLoadWarning, match="not marked @pagedkv.hookimpl"):
         reg.register_plugin(Plugin(), "unmarked")
     assert reg.failure_for("unmarked") is not None
+
+
+def test_a_hook_with_a_wrong_signature_registers_nothing_of_its_plugin():
+    class Plugin:
+        @pagedkv.hookimpl
+        def pagedkv_conformance_scenarios(self, backend, level):
+            return []
+
+        @pagedkv.hookimpl
+        def pagedkv_backends(self, device):
+            return []
+
+    reg = Registry()
+    with pytest.warns(PluginLoadWarning, match="registration failed: PluginValidationError"):
+        reg.register_plugin(Plugin(), "wrong-signature")
+    assert reg.plugin_manager.hook.pagedkv_conformance_scenarios.get_hookimpls() == []
+
+
+def test_listing_survives_declarations_that_raise():
+    from pagedkv.backends.torch import TorchBackend
+
+    class BrokenDeclarations(TorchBackend):
+        name = "broken_declarations"
+
+        @property
+        def capabilities(self):
+            raise RuntimeError("adapter table missing")
+
+        @property
+        def layout(self):
+            raise RuntimeError("no layout yet")
+
+    class Plugin:
+        @pagedkv.hookimpl
+        def pagedkv_backends(self):
+            return [BrokenDeclarations]
+
+    reg = Registry()
+    reg.register_plugin(Plugin(), "broken-declarations")
+    (record,) = reg.records()
+    assert not record.available and record.layout == "?" and record.capabilities is None
+    # is_available() reads the capabilities first
+    assert record.reason.startswith("is_available() raised RuntimeError: adapter table missing")
