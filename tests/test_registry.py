@@ -421,3 +421,19 @@ def test_listing_survives_declarations_that_raise():
     assert not record.available and record.layout == "?" and record.capabilities is None
     # is_available() reads the capabilities first
     assert record.reason.startswith("is_available() raised RuntimeError: adapter table missing")
+
+
+def test_a_hook_may_not_exit_the_process_but_ctrl_c_still_stops_loading():
+    def plugin_raising(exc):
+        class Plugin:
+            @pagedkv.hookimpl
+            def pagedkv_backends(self):
+                raise exc
+
+        return Plugin()
+
+    reg = Registry()
+    with pytest.warns(PluginLoadWarning, match=r"pagedkv_backends\(\) raised SystemExit: 4"):
+        reg.register_plugin(plugin_raising(SystemExit(4)), "exits")
+    with pytest.raises(KeyboardInterrupt):
+        reg.register_plugin(plugin_raising(KeyboardInterrupt()), "interrupted")
