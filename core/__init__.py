@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         BackendMetadata,
     )
     from pagedkv.capabilities import Capabilities, MultipleOf
+    from pagedkv.config import BackendChoice, parse_config
     from pagedkv.convert import convert_kv_cache
     from pagedkv.errors import (
         ConfigError,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         NoUsableBackendError,
         OutOfBlocksError,
         PagedKVError,
+        RegistryReentryError,
         SpecError,
         UnknownBackendError,
         UnsupportedError,
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     from pagedkv.metadata import CommonAttentionMetadata
     from pagedkv.options import BackendOption
     from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
-    from pagedkv.selection import BackendChoice, parse_config, select_backend
+    from pagedkv.selection import select_backend
     from pagedkv.spec import AttentionSpec
 
 _EXPORTS = {
@@ -50,7 +52,7 @@ _EXPORTS = {
     "AttentionMetadataBuilder": "pagedkv.backend",
     "AttentionSpec": "pagedkv.spec",
     "BackendMetadata": "pagedkv.backend",
-    "BackendChoice": "pagedkv.selection",
+    "BackendChoice": "pagedkv.config",
     "BackendOption": "pagedkv.options",
     "BackendRecord": "pagedkv.registry",
     "Capabilities": "pagedkv.capabilities",
@@ -66,6 +68,7 @@ _EXPORTS = {
     "NoUsableBackendError": "pagedkv.errors",
     "OutOfBlocksError": "pagedkv.errors",
     "PagedKVError": "pagedkv.errors",
+    "RegistryReentryError": "pagedkv.errors",
     "SpecError": "pagedkv.errors",
     "UnknownBackendError": "pagedkv.errors",
     "UnsupportedError": "pagedkv.errors",
@@ -73,7 +76,7 @@ _EXPORTS = {
     "get_backend": "pagedkv.registry",
     "get_registry": "pagedkv.registry",
     "list_backends": "pagedkv.registry",
-    "parse_config": "pagedkv.selection",
+    "parse_config": "pagedkv.config",
     "select_backend": "pagedkv.selection",
 }
 
@@ -118,6 +121,7 @@ __all__ = [
     "NoUsableBackendError",
     "OutOfBlocksError",
     "PagedKVError",
+    "RegistryReentryError",
     "SpecError",
     "UnknownBackendError",
     "UnsupportedError",

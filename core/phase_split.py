@@ -40,8 +40,8 @@ PARTS = ("decode", "prefill")
 
 
 def _part(config: str, role: str) -> AttentionBackend:
+    from pagedkv.config import parse_config
     from pagedkv.registry import get_backend
-    from pagedkv.selection import parse_config
 
     choices = parse_config(config)
     if len(choices) != 1 or choices[0].name in ("auto", NAME):

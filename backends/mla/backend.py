@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
+from pagedkv.backends.mla.configs import SPLIT_POLICY
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.features import Feature
 from pagedkv.spec import AttentionSpec
@@ -36,7 +37,11 @@ class MLABackend(AttentionBackend):
     block_axis = 0
     option_specs: ClassVar[dict[str, BackendOption]] = {
         "num_splits": BackendOption(
-            None, "split-KV programs per tile (default: fill the GPU, see configs.py)", kind=int
+            None,
+            "split-KV programs per tile (default: fill the GPU, see configs.py)",
+            kind=int,
+            minimum=1,
+            maximum=SPLIT_POLICY.max_splits,
         ),
         "block_m": BackendOption(
             None, "query rows (token x head) per program", _pow2(16, 128), kind=int

@@ -53,16 +53,22 @@ class PallasBackend(AttentionBackend):
     )
     option_specs: ClassVar[Mapping[str, BackendOption]] = {
         "block_m": BackendOption(
-            0, "Query rows (tokens x grouped heads) per tile, a power of two; 0: auto", kind=int
+            0,
+            "Query rows (tokens x grouped heads) per tile, a power of two; 0: auto",
+            kind=int,
+            minimum=0,
         ),
         "block_n": BackendOption(
-            0, "Keys per inner-loop step, a power of two; 0: auto (64, 32 past head 128)", kind=int
+            0,
+            "Keys per inner-loop step, a power of two; 0: auto (64, 32 past head 128)",
+            kind=int,
+            minimum=0,
         ),
         "num_kv_splits": BackendOption(
-            0, "KV splits per query tile (flash-decoding); 0: auto (1 on CPU)", kind=int
+            0, "KV splits per query tile (flash-decoding); 0: auto (1 on CPU)", kind=int, minimum=0
         ),
-        "num_warps": BackendOption(4, "Triton warps per program (GPU)", kind=int),
-        "num_stages": BackendOption(2, "Triton pipeline stages (GPU)", kind=int),
+        "num_warps": BackendOption(4, "Triton warps per program (GPU)", kind=int, minimum=1),
+        "num_stages": BackendOption(2, "Triton pipeline stages (GPU)", kind=int, minimum=1),
     }
 
     def __init__(self, **options: Any) -> None:
@@ -72,13 +78,6 @@ class PallasBackend(AttentionBackend):
             value = int(self.options[key])
             if value and (value < 16 or value & (value - 1)):
                 raise ConfigError(f"option {key}={value}: expected a power of two >= 16")
-        if int(self.options["num_kv_splits"]) < 0:
-            raise ConfigError(
-                f"option num_kv_splits={self.options['num_kv_splits']}: expected >= 0"
-            )
-        for key in ("num_warps", "num_stages"):
-            if int(self.options[key]) < 1:
-                raise ConfigError(f"option {key}={self.options[key]}: expected >= 1")
 
     # -- layout -----------------------------------------------------------------------
 
