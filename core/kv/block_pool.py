@@ -196,24 +196,31 @@ class BlockPool:
         if any block would drop below 0 references (freed twice, or listed more often
         than it is held), DoubleFreeError names it and no reference is dropped.
         """
-        blocks = [b for b in ordered_blocks if not b.is_null]
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        queue = self.free_block_queue
         for i, block in enumerate(blocks):
-            if block.ref_cnt <= 0:
-                for taken in blocks[:i]:
-                    taken.ref_cnt += 1
+            if block.ref_cnt > 0:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        queue.appendleft(block)
+                    else:
+                        queue.append(block)
+            elif not block.is_null:  # the null block's count is not kept: skipped
+                self._undo_free(blocks[:i])
                 raise DoubleFreeError(
                     f"free_blocks: block {block.block_id} is already free (listed at "
                     f"position {i} of {len(blocks)}); no block was freed"
                 )
-            block.ref_cnt -= 1
-        queue = self.free_block_queue
-        for block in blocks:
-            # a block listed twice reaches 0 once; the queue links say it is already in
-            if block.ref_cnt == 0 and block.prev_free_block is None:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+
+    def _undo_free(self, freed: list[KVCacheBlock]) -> None:
+        """Take back the references free_blocks dropped from ``freed``, last first."""
+        for block in reversed(freed):
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
