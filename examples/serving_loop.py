@@ -36,24 +36,18 @@ def main() -> None:
         scheduled = []
         for request in running:  # decode: one new token each
             request.append_output_token_ids(7)
-            new = manager.allocate_slots(request, 1)
-            assert new is not None, "pool exhausted"
+            assert manager.allocate_slots(request, 1) is not None, "pool exhausted"
+            new_ids = manager.take_new_block_ids(request.request_id)
             scheduled.append(
-                ScheduledRequest(
-                    request.request_id, request.num_computed_tokens, 1, [b.block_id for b in new]
-                )
+                ScheduledRequest(request.request_id, request.num_computed_tokens, 1, new_ids)
             )
         if waiting:  # admit one prefill per step, reusing cached prefix blocks
             request = waiting.pop(0)
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             assert manager.allocate_slots(request, num_new, num_hit, hit_blocks) is not None
-            request.num_computed_tokens = num_hit
-            scheduled.append(
-                ScheduledRequest(
-                    request.request_id, num_hit, num_new, manager.get_block_ids(request.request_id)
-                )
-            )
+            new_ids = manager.take_new_block_ids(request.request_id)  # hits included
+            scheduled.append(ScheduledRequest(request.request_id, num_hit, num_new, new_ids))
             running.append(request)
         common = assembler.build(scheduled)
         num_tokens = common.num_tokens
@@ -67,7 +61,7 @@ def main() -> None:
         for request, s in zip(
             running, scheduled, strict=True
         ):  # same order: decodes, then the prefill
-            request.num_computed_tokens += s.num_new_tokens
+            manager.mark_computed(request, s.num_new_tokens)  # its full blocks become hits
         stats = manager.prefix_cache_stats
         print(
             f"step {step}: {common.num_reqs} requests, {common.num_actual_tokens} tokens "
