@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.conformance.cache import _bits
 from pagedkv.conformance.check import _context_rows
 from pagedkv.conformance.problem import PagedProblem, build_problem, poison_cache
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.convert import convert_kv_cache
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _written_cache(backend: AttentionBackend, problem: PagedProblem, device: str) -> torch.Tensor:
@@ -42,10 +41,6 @@ def _attend(backend: AttentionBackend, cache: torch.Tensor, problem: PagedProble
     impl = backend.make_impl(spec, sinks=problem.sinks)
     out = impl.forward(problem.query, None, None, cache, metadata)
     return out[: problem.common.num_actual_tokens]
-
-
-def _bits(view: torch.Tensor) -> torch.Tensor:
-    return view.contiguous().view(_INT_OF_SIZE[view.element_size()])
 
 
 def conversion_problems(

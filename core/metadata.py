@@ -57,10 +57,6 @@ class CommonAttentionMetadata:
         """Tokens already in the cache before this step (num_computed_tokens)."""
         return self.seq_lens_cpu - self.query_lens_cpu
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len <= 1
-
     # -- construction -------------------------------------------------------------
 
     @classmethod
