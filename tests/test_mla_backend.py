@@ -14,7 +14,7 @@ import pytest
 import torch
 from pagedkv import AttentionSpec, UnsupportedError
 from pagedkv.backends.mla import MLABackend, absorb_query, mla_attention, up_project
-from pagedkv.backends.mla.configs import choose_config, choose_splits
+from pagedkv.backends.mla.configs import SPLIT_POLICY, choose_config
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem, poison_cache, reference_output
 
@@ -294,7 +294,9 @@ def test_argument_errors_name_the_argument():
         impl.forward_mla(q[..., :64].float(), q[..., 64:], None, None, cache, md)
     with pytest.raises(UnsupportedError, match="kv_c and k_pe must be given together"):
         impl.forward_mla(q[..., :64], q[..., 64:], q[:, 0, :64], None, cache, md)
-    with pytest.raises(UnsupportedError, match=r"kv_cache: expected \[num_blocks, 16, 80\]"):
+    with pytest.raises(
+        UnsupportedError, match=r"kv_cache: expected the latent layout \[num_blocks, 16, 80\]"
+    ):
         impl.forward(q, None, None, cache.view(6, 8, 160), md)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype"):
         impl.forward(q, None, None, cache.float(), md)
@@ -321,7 +323,7 @@ def test_rejections_carry_reasons():
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's bf16 limitation is CPU-only")
 def test_bf16_under_the_interpreter_is_refused():
-    from pagedkv.backends.mla.impl import MLAMetadataBuilder
+    from pagedkv.backends.mla.builder import MLAMetadataBuilder
 
     spec = _spec(dtype=torch.bfloat16)
     backend = MLABackend()
@@ -364,16 +366,22 @@ def test_registered_and_selected_for_mla_layers():
     [(128, 4096, 132), (2, 32768, 132), (1, 1, 132), (7, 700, 8), (300, 50, 132), (1, 200, 132)],
 )
 def test_splits_cover_the_longest_tile_without_empty_splits(num_tiles, max_kv_len, num_sms):
-    splits, per_split = choose_splits(num_tiles, max_kv_len, 64, num_sms)
+    choice = SPLIT_POLICY.choose(num_tiles, 1, max_kv_len, num_sms, granule=64)
+    splits, per_split = choice.num_splits, choice.keys_per_split
     assert per_split % 64 == 0
     assert splits * per_split >= max_kv_len > (splits - 1) * per_split
     assert num_tiles * splits <= max(num_tiles, num_sms)
+    assert splits == 1 or per_split >= SPLIT_POLICY.min_keys_per_split
 
 
 def test_decode_64x4096_on_an_h200_is_one_wave_without_splits():
     # 64 requests x 128 heads / 64-row tiles = 128 programs for 132 SMs
-    assert choose_splits(128, 4096, 64, 132) == (1, 4096)
-    assert choose_splits(2, 32768, 64, 132)[0] == 64
+    choice = SPLIT_POLICY.choose(128, 1, 4096, 132, granule=64)
+    assert (choice.num_splits, choice.keys_per_split) == (1, 4096)
+    # one request of 32k: two tiles, 64 splits of 512 positions (prefill tiles too)
+    for max_query_len in (1, 100):
+        choice = SPLIT_POLICY.choose(2, max_query_len, 32768, 132, granule=64)
+        assert (choice.num_splits, choice.keys_per_split) == (64, 512)
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
