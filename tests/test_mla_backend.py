@@ -266,8 +266,11 @@ def test_write_skips_negative_slots_and_keeps_other_slots():
     assert cache[:2].abs().sum() == 0 and cache[2, 3:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_write_matches_the_portable_quantisation(kv_cache_dtype):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
+def test_write_matches_the_portable_quantisation(kv_cache_dtype, use_triton):
+    """The latent write in one launch of the shared writer (kv_c and k_pe into the two
+    parts of the row, one scale) stores what quantize_for_cache gives the whole row."""
     from pagedkv.toolkit.kv_write import quantize_for_cache
 
     spec = _spec(kv_cache_dtype=kv_cache_dtype, k_scale=0.37)
@@ -275,10 +278,21 @@ def test_fp8_write_matches_the_portable_quantisation(kv_cache_dtype):
     g = torch.Generator().manual_seed(2)
     latent = (torch.randn(40, 80, generator=g) * torch.logspace(-4, 2, 80)).half().to(DEVICE)
     cache = backend.allocate_kv_cache(4, spec, DEVICE)
-    impl.write_latent(latent[:, :64], latent[:, 64:], cache, md)
-    got = cache[[1, 3, 2]].flatten(0, 1)[:40].float()
-    want = quantize_for_cache(latent, spec.cache_dtype, 0.37).float()
-    assert torch.equal(got, want)  # same rounding (+0 and -0 compare equal)
+    impl.write_latent(latent[:, :64], latent[:, 64:], cache, md, use_triton=use_triton)
+    got = cache[[1, 3, 2]].flatten(0, 1)[:40]
+    want = quantize_for_cache(latent, spec.cache_dtype, 0.37)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # the same bits
+    assert cache[0].float().abs().sum() == 0 and cache[2, 8:].float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+def test_write_without_rope_part(use_triton):
+    spec = _spec(head_size=64, qk_rope_head_dim=0)
+    backend, md, impl = _step(spec, seq_lens=(3,), query_lens=(3,), blocks=((1,),))
+    cache = backend.allocate_kv_cache(2, spec, DEVICE)
+    kv_c = torch.randn(3, 64).half().to(DEVICE)
+    impl.write_latent(kv_c, kv_c[:, :0], cache, md, use_triton=use_triton)
+    assert torch.equal(cache[1, :3], kv_c) and cache[1, 3:].abs().sum() == 0
 
 
 def test_argument_errors_name_the_argument():
@@ -294,6 +308,10 @@ def test_argument_errors_name_the_argument():
         impl.forward_mla(q[..., :64].float(), q[..., 64:], None, None, cache, md)
     with pytest.raises(UnsupportedError, match="kv_c and k_pe must be given together"):
         impl.forward_mla(q[..., :64], q[..., 64:], q[:, 0, :64], None, cache, md)
+    with pytest.raises(UnsupportedError, match=r"kv_c: expected shape \[10, 64\]"):
+        impl.forward_mla(q[..., :64], q[..., 64:], q[:, 0, :32], q[:, 0, 64:], cache, md)
+    with pytest.raises(UnsupportedError, match=r"k_pe: expected shape \[10, 16\]"):
+        impl.write_latent(q[:, 0, :64], q[:, 0, :8], cache, md)
     with pytest.raises(
         UnsupportedError, match=r"kv_cache: expected the latent layout \[num_blocks, 16, 80\]"
     ):
