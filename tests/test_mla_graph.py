@@ -257,7 +257,7 @@ def test_capture_build_replay_on_the_gpu(config, kv_cache_dtype):
         scale=192**-0.5, kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     bounds = GraphBounds(max_num_reqs=4, max_num_tokens=24, max_blocks_per_req=40, max_query_len=8)
-    backend = pagedkv.get_backend(config)
+    backend = pagedkv.select_backend(config, spec, "cuda")
     builder, impl = backend.make_builder(spec, "cuda"), backend.make_impl(spec)
     builder.reserve_cuda_graph(bounds)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -298,7 +298,7 @@ def test_capture_build_replay_on_the_gpu(config, kv_cache_dtype):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager_backend = pagedkv.get_backend(config)
+    eager_backend = pagedkv.select_backend(config, spec, "cuda")
     eager_md = eager_backend.make_builder(spec, "cuda").build(common_b)
     n = common_b.num_actual_tokens
     expected = eager_backend.make_impl(spec).forward_mla(
