@@ -295,6 +295,23 @@ def test_write_without_rope_part(use_triton):
     assert torch.equal(cache[1, :3], kv_c) and cache[1, 3:].abs().sum() == 0
 
 
+def test_a_misaligned_cache_falls_back_to_pointer_loads():
+    spec = _spec()
+    _, md, impl = _step(spec)
+    assert md.plan.kind == "tma"  # the interpreter runs TMA loads
+    g = torch.Generator().manual_seed(3)
+    aligned = torch.randn(6, 16, 80, generator=g).half().to(DEVICE)
+    storage = torch.empty(aligned.numel() + 1, dtype=torch.float16, device=DEVICE)
+    misaligned = storage[1:].view(6, 16, 80)  # 2 bytes past a 16-byte boundary
+    misaligned.copy_(aligned)
+    q = torch.randn(10, 4, 80, generator=g).half().to(DEVICE)
+    out = impl.forward_mla(q[..., :64], q[..., 64:], None, None, misaligned, md)
+    (launch,) = impl.plan_attention(q[..., :64], q[..., 64:], misaligned, md, out)
+    assert not launch.kwargs["USE_TMA"] and launch.kwargs["Cache"] is misaligned
+    expected = impl.forward_mla(q[..., :64], q[..., 64:], None, None, aligned, md)
+    assert torch.equal(out, expected)
+
+
 def test_argument_errors_name_the_argument():
     spec = _spec()
     backend, md, impl = _step(spec)
