@@ -34,7 +34,7 @@ import torch
 from pagedkv.capabilities import Capabilities
 from pagedkv.errors import ConfigError, UnsupportedError
 from pagedkv.graph import GraphBounds, GraphStaging, GraphSupport
-from pagedkv.layout import CacheLayout, KVLayout, check_cache_tensor
+from pagedkv.layout import CacheChecker, CacheLayout, KVLayout, cache_checker
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.options import BackendOption, OptionValue
 from pagedkv.spec import AttentionSpec
@@ -195,6 +195,7 @@ class AttentionImpl(ABC, Generic[M]):
         self.sinks = None if sinks is None else sinks.float()
         self.cache_layout = cache_layout  # the backend's configured layout
         self.options = options
+        self._cache_checker: CacheChecker | None = None
 
     # -- the shared forward -----------------------------------------------------------
 
@@ -264,7 +265,9 @@ class AttentionImpl(ABC, Generic[M]):
         """The layout's cache check; with PAGEDKV_VALIDATE=1 also the full metadata
         validation against this cache's pool size."""
         layout = self.layout()
-        layout.check(kv_cache, self.spec, device)
+        if self._cache_checker is None:
+            self._cache_checker = layout.checker(self.spec)
+        self._cache_checker(kv_cache, device)
         common = getattr(metadata, "common", None)
         if full_validation_enabled() and isinstance(common, CommonAttentionMetadata):
             assert isinstance(kv_cache, torch.Tensor)
@@ -352,14 +355,15 @@ class _DeclaredLayout:
     def check(
         self, kv_cache: object, spec: AttentionSpec, device: torch.device | None = None
     ) -> None:
+        self.checker(spec)(kv_cache, device)
+
+    def checker(self, spec: AttentionSpec) -> CacheChecker:
         # the first contract did not require a contiguous cache
-        check_cache_tensor(
-            kv_cache,
+        return cache_checker(
             spec,
             self.block_axis,
             self.shape(1, spec),
-            self._expected(spec),
-            device,
+            lambda: self._expected(spec),
             contiguous=False,
         )
 

@@ -25,7 +25,7 @@ cache check, allocation and block copies — so a backend declares its layout on
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,6 +73,12 @@ class CacheLayout(Protocol):
     def check(
         self, kv_cache: object, spec: AttentionSpec, device: torch.device | None = None
     ) -> None: ...
+
+    def checker(self, spec: AttentionSpec) -> CacheChecker: ...
+
+
+# kv_cache, device (None: any) -> None, or raises UnsupportedError
+CacheChecker = Callable[[object, "torch.device | None"], None]
 
 
 @dataclass(frozen=True)
@@ -186,14 +192,52 @@ class KVLayout:
     ) -> None:
         """Raise UnsupportedError naming what is wrong: type, shape (every axis but the
         blocks), dtype (``spec.cache_dtype``, fp8 included), contiguity, device."""
-        check_cache_tensor(
-            kv_cache, spec, self.block_axis, self.shape(1, spec), self._named_shape(spec), device
+        self.checker(spec)(kv_cache, device)
+
+    def checker(self, spec: AttentionSpec) -> CacheChecker:
+        """``check`` for one spec, with everything it compares computed once (the
+        forward of every layer runs it)."""
+        return cache_checker(
+            spec, self.block_axis, self.shape(1, spec), lambda: self._named_shape(spec)
         )
 
     def _named_shape(self, spec: AttentionSpec) -> str:
         dims: list[object] = list(self.shape(1, spec))
         dims[self.block_axis] = "num_blocks"
         return f"the {self.name} layout [{', '.join(map(str, dims))}] = {self.describe()}"
+
+
+def cache_checker(
+    spec: AttentionSpec,
+    block_axis: int,
+    one_block_shape: Sequence[int],
+    expected: Callable[[], str],
+    *,
+    contiguous: bool = True,
+) -> CacheChecker:
+    """A check of caches for ``spec``: the common case in a few comparisons, the
+    message (``check_cache_tensor``) built only when something is wrong."""
+    before = tuple(one_block_shape[:block_axis])
+    after = tuple(one_block_shape[block_axis + 1 :])
+    ndim, dtype = len(one_block_shape), spec.cache_dtype
+
+    def check(kv_cache: object, device: torch.device | None = None) -> None:
+        if (
+            isinstance(kv_cache, torch.Tensor)
+            and kv_cache.dtype == dtype
+            and kv_cache.dim() == ndim
+            and kv_cache.shape[:block_axis] == before
+            and kv_cache.shape[block_axis + 1 :] == after
+            and kv_cache.shape[block_axis] >= 1
+            and (not contiguous or kv_cache.is_contiguous())
+            and (device is None or kv_cache.device == device)
+        ):
+            return
+        check_cache_tensor(
+            kv_cache, spec, block_axis, one_block_shape, expected(), device, contiguous=contiguous
+        )
+
+    return check
 
 
 def check_cache_tensor(

@@ -45,23 +45,57 @@ def check_step(common: CommonAttentionMetadata, block_size: int) -> CommonAttent
         raise MetadataError(
             f"build() expects a CommonAttentionMetadata, got {type(common).__name__}"
         )
+    fixes = {}
+    for name, dtype, rank in _TENSORS:
+        t = getattr(common, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != rank:
+            _explain_tensor(name, t, dtype, rank)
+        if not t.is_contiguous():
+            fixes[name] = t.contiguous()
+    qsl = common.query_start_loc_cpu.numpy()
+    seq = common.seq_lens_cpu.numpy()
+    num_reqs = seq.shape[0]
+    # the common case in a few vectorised tests; the slow path finds and names the problem
+    ok = (
+        common.block_size == block_size
+        and qsl.shape == (num_reqs + 1,)
+        and common.query_start_loc.shape[0] == num_reqs + 1
+        and common.seq_lens.shape[0] == num_reqs
+        and common.block_table.shape[0] == num_reqs
+        and int(qsl[-1]) == common.num_actual_tokens <= common.num_tokens
+    )
+    if ok and num_reqs:
+        query_lens = qsl[1:] - qsl[:-1]
+        ok = (
+            qsl[0] == 0
+            and query_lens.min() >= 0
+            and (seq >= query_lens).all()
+            and -(-int(seq.max()) // block_size) <= common.block_table.shape[1]
+            and common.max_query_len >= query_lens.max()
+            and common.max_seq_len >= seq.max()
+        )
+    if not ok:
+        _explain(common, block_size)
+    if full_validation_enabled():
+        # the pool size is unknown here: every non-negative block id passes
+        common.validate(np.iinfo(np.int64).max // (2 * block_size))
+    return dataclasses.replace(common, **fixes) if fixes else common
+
+
+def _explain_tensor(name: str, t: object, dtype: torch.dtype, rank: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise MetadataError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    raise MetadataError(f"{name}: expected a {rank}-D {dtype} tensor, got {t.dim()}-D {t.dtype}")
+
+
+def _explain(common: CommonAttentionMetadata, block_size: int) -> None:
+    """Raise the MetadataError that names what check_step's fast test found wrong."""
     if common.block_size != block_size:
         raise MetadataError(
             f"block_size: the metadata was built for blocks of {common.block_size} tokens, the "
             f"layer's spec has block_size {block_size} (slots and block-table entries would "
             "address the wrong blocks)"
         )
-    fixes = {}
-    for name, dtype, rank in _TENSORS:
-        t = getattr(common, name)
-        if not isinstance(t, torch.Tensor):
-            raise MetadataError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dtype or t.dim() != rank:
-            raise MetadataError(
-                f"{name}: expected a {rank}-D {dtype} tensor, got {t.dim()}-D {t.dtype}"
-            )
-        if not t.is_contiguous():
-            fixes[name] = t.contiguous()
     qsl = common.query_start_loc_cpu.numpy()
     seq = common.seq_lens_cpu.numpy()
     num_reqs = seq.shape[0]
@@ -111,12 +145,7 @@ def check_step(common: CommonAttentionMetadata, block_size: int) -> CommonAttent
         raise MetadataError(
             f"num_actual_tokens = {common.num_actual_tokens}, expected query_start_loc[-1] = {last}"
         )
-    if common.num_actual_tokens > common.num_tokens:
-        raise MetadataError(
-            f"query_start_loc[-1] = {common.num_actual_tokens} scheduled tokens but slot_mapping "
-            f"(the token rows) has only {common.num_tokens}"
-        )
-    if full_validation_enabled():
-        # the pool size is unknown here: every non-negative block id passes
-        common.validate(np.iinfo(np.int64).max // (2 * block_size))
-    return dataclasses.replace(common, **fixes) if fixes else common
+    raise MetadataError(
+        f"query_start_loc[-1] = {common.num_actual_tokens} scheduled tokens but slot_mapping "
+        f"(the token rows) has only {common.num_tokens}"
+    )

@@ -18,7 +18,6 @@ from pagedkv.backend import AttentionImpl, expect_tensor
 from pagedkv.backends.mla.builder import MLAMetadata
 from pagedkv.backends.mla.plan import POINTER, LayerArgs, cache_problem, layer_args
 from pagedkv.errors import UnsupportedError
-from pagedkv.step_check import full_validation_enabled
 from pagedkv.toolkit.interpreter import interpreter_problem
 from pagedkv.toolkit.kv_write import write_kv_by_slot
 from pagedkv.toolkit.launch import KernelLaunch, run_launches
@@ -38,24 +37,13 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         # (key, kernel kind, arguments) of the last cache this layer attended over: its TMA
         # descriptors cost tens of microseconds of Python to build
         self._cache_memo: tuple[tuple, str, LayerArgs] | None = None
-        # the last cache that passed check_cache (building its error text each time
-        # costs more than the rest of a forward's Python)
-        self._checked_cache: tuple | None = None
 
     # -- checks -----------------------------------------------------------------------
 
     def check_cache(
         self, kv_cache: object, device: torch.device | None = None, metadata: object = None
     ) -> None:
-        """The layout's check, and that Triton kernels can run where the cache is. A
-        cache that passed is not checked again while nothing the check reads changed."""
-        key = None
-        if isinstance(kv_cache, torch.Tensor) and not full_validation_enabled():
-            # what the check reads: shape, strides, dtype, device (and the address)
-            key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
-                   kv_cache.device, device)  # fmt: skip
-            if key == self._checked_cache:
-                return
+        """The layout's check, and that Triton kernels can run where the cache is."""
         super().check_cache(kv_cache, device, metadata)
         assert isinstance(kv_cache, torch.Tensor)
         if kv_cache.device.type == "cpu":
@@ -67,7 +55,6 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
                     "bfloat16 is not supported under the Triton interpreter (it computes bf16 "
                     "on raw bits, triton-lang/triton#11584); use float16/float32 on a CPU"
                 )
-        self._checked_cache = key
 
     # -- the latent write -------------------------------------------------------------
 
