@@ -144,3 +144,14 @@ def test_torch_writes_are_ordered_before_the_kernel():
     v.mul_(2.0)  # every V doubles: so does the output
     after = impl.forward(query, None, None, cache, metadata)
     torch.testing.assert_close(after.float(), 2 * before.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_jax_leaves_the_gpu_memory_to_torch():
+    """The backend configured JAX before its GPU client started (the module fixture
+    asks through the backend): JAX allocates on demand instead of taking 75% of the GPU."""
+    builder, impl, common, cache, query, _ = _decode_step(num_reqs=4, context=64)
+    impl.forward(query, None, None, cache, builder.build(common))
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    held_outside_torch = total - free - torch.cuda.memory_reserved()
+    assert held_outside_torch < 0.25 * total, f"{held_outside_torch / 2**30:.1f} GiB"

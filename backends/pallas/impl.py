@@ -4,7 +4,8 @@ the cache (torch owns both; the base class has checked them and written the new 
 On CUDA each forward crosses torch -> JAX -> torch once: the query's DLPack import
 orders the kernel after torch's work, the result's import orders torch after JAX.
 Everything else a call needs is prepared once (per step in the metadata, per cache
-tensor, per layer here), so the host does only those two imports and the dispatch.
+tensor, per layer here), so the host does only those two imports, the dispatch and
+the copy into the output.
 """
 
 from __future__ import annotations
