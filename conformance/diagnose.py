@@ -32,6 +32,7 @@ def output_hints(
     """Hints for ``actual`` ([num_actual_tokens, Hq, Dv] float64) whose elements
     ``failing`` (same shape, bool) are non-finite or out of tolerance."""
     hints = _last_block_pattern(problem, failing)
+    hints += _multi_block_pattern(problem, failing)
     hints += _gqa_pattern(problem, failing)
     if not problem.scenario.is_mla:  # the MLA reference has no such modifiers
         for claim, alternative in _hypotheses(problem):
@@ -63,6 +64,19 @@ def _last_block_pattern(problem: PagedProblem, failing: torch.Tensor) -> list[st
             "pass: look at the full-block case (the last block is (seq_len - 1) // block_size "
             "and holds block_size tokens; seq_len // block_size and seq_len % block_size are "
             "one block too far and 0)"
+        ]
+    return []
+
+
+def _multi_block_pattern(problem: PagedProblem, failing: torch.Tensor) -> list[str]:
+    scenario = problem.scenario
+    b, seq = scenario.block_size, scenario.seq_lens
+    bad, good = _failing_requests(problem, failing)
+    if bad and bad == {r for r in bad | good if seq[r] > b} and good:
+        return [
+            f"the failing requests are exactly those spanning more than one block (seq_len > "
+            f"block_size {b}): look at how the kernel walks the block table past its first "
+            "entry (a request's blocks are scattered over the pool, not contiguous)"
         ]
     return []
 

@@ -90,6 +90,7 @@ OPTIONS = (
         dict(
             dest="pagedkv_device",
             default=None,
+            metavar="DEVICE",
             help="Device to run on (cpu, cuda, cuda:1). Default: cuda when available, else cpu.",
         ),
     ),
