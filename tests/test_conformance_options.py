@@ -53,7 +53,9 @@ def _pytest(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedPr
 
 def test_another_projects_options_win_and_ours_stay_reachable(other_project):
     # --pagedkv-level parses only when pagedkv's plugin is loaded: it is, beside them
-    proc = _pytest(other_project, "-q", "--device", "tpu:3", "--backend=jax", "--pagedkv-level=full")
+    proc = _pytest(
+        other_project, "-q", "--device", "tpu:3", "--backend=jax", "--pagedkv-level=full"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
 
