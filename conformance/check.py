@@ -344,12 +344,8 @@ def locate(scenario: Scenario, token: int, head: int) -> str:
 
 def _requests_of(scenario: Scenario, bad_tokens: torch.Tensor) -> list[int]:
     """The requests that own a row of ``bad_tokens`` ([num_actual_tokens] bool)."""
-    reqs, start = [], 0
-    for i, q in enumerate(scenario.query_lens):
-        if q and bool(bad_tokens[start : start + q].any()):
-            reqs.append(i)
-        start += q
-    return reqs
+    owners = scenario.row_requests()
+    return sorted({owners[t] for t in torch.nonzero(bad_tokens).flatten().tolist()})
 
 
 def _request_fields(scenario: Scenario, requests: list[int]) -> dict[str, list[int]]:

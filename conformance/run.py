@@ -14,13 +14,9 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionBackend
-from pagedkv.conformance.check import (
-    ScenarioResult,
-    compare_outputs,
-    describe_exception,
-    run_scenario,
-)
+from pagedkv.conformance.check import ScenarioResult, compare_outputs, run_scenario
 from pagedkv.conformance.design import Plan, design_scenarios
+from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.errors import PagedKVError, UnknownBackendError
 from pagedkv.registry import get_registry
@@ -49,10 +45,10 @@ def resolve_device(option: str | None) -> str:
             torch.empty(1, device=device)
         except Exception as exc:
             cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            why = "".join(str(exc).strip().splitlines()[:1])
             raise ConformanceUsageError(
                 f"--device {option!r} is not usable on this host ({type(exc).__name__}: "
-                f"{first_line}); devices here: {', '.join(['cpu', *cuda])}"
+                f"{why}); devices here: {', '.join(['cpu', *cuda])}"
             ) from None
     return str(device)
 
