@@ -6,6 +6,7 @@ plugin is a real installed distribution whose import fails."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,8 @@ from pagedkv.cli import main
 from pagedkv.conformance.run import ConformanceRun, ConformanceUsageError
 
 ROOT = Path(__file__).resolve().parents[1]
-REASON = (
-    "plugin failed to load: import of 'pagedkv_broken_plugins.import_error' failed: "
-    "ModuleNotFoundError: No module named 'pagedkv_kernel_library_that_does_not_exist'"
-)
+# the reason names what the plugin failed to import (the registry words the rest)
+REASON = r"[^\n]*No module named 'pagedkv_kernel_library_that_does_not_exist'"
 
 
 def _run(args: list[str], site: Path | None, cwd: Path, timeout: int = 300):
@@ -44,9 +43,16 @@ def test_pytest_pyargs_fails_a_requested_plugin_that_does_not_import(broken_site
     args = ["-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "pagedkv.conformance"]
     proc = _run([*args, "--pagedkv-backend", "broken_import"], broken_site, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "backend broken_import was requested but is unavailable here: " + REASON in proc.stdout
-    assert "broken_import: REQUESTED BUT UNAVAILABLE: " + REASON in proc.stdout
-    assert "--pagedkv-allow-unavailable" in proc.stdout
+    assert re.search(
+        "backend broken_import was requested but is unavailable here: " + REASON, proc.stdout
+    )
+    assert re.search(
+        "^broken_import: REQUESTED BUT UNAVAILABLE: "
+        + REASON
+        + r"[^\n]*\(fails the run; --pagedkv-allow-unavailable skips it instead\)$",
+        proc.stdout,
+        re.M,
+    )
 
     allowed = _run(
         [*args, "--pagedkv-backend", "broken_import", "--pagedkv-allow-unavailable"],
@@ -75,15 +81,19 @@ def test_pytest_conformance_fails_it_even_when_k_deselects_its_case(broken_site)
         ROOT,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "1 passed" in proc.stdout and "deselected" in proc.stdout  # torch's copy_blocks
-    assert "broken_import: REQUESTED BUT UNAVAILABLE: " + REASON in proc.stdout
+    assert "1 passed" in proc.stdout  # torch's copy_blocks
+    # the conformance summary counts the scenarios -k left out
+    assert re.search(
+        r"^torch: 0 passed, 0 failed, (\d+) deselected of \1 scenarios", proc.stdout, re.M
+    )
+    assert re.search("^broken_import: REQUESTED BUT UNAVAILABLE: " + REASON, proc.stdout, re.M)
 
 
 def test_pagedkv_conform_fails_it_unless_allowed(broken_site, tmp_path):
     conform = ["-m", "pagedkv.cli", "conform", "--backend", "broken_import", "--device", "cpu"]
     proc = _run(conform, broken_site, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "[broken_import] cannot be tested: " + REASON in proc.stdout
+    assert re.search(r"^\[broken_import\] cannot be tested: " + REASON, proc.stdout, re.M)
     allowed = _run([*conform, "--allow-unavailable"], broken_site, tmp_path)
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
 
