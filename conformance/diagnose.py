@@ -17,9 +17,9 @@ from pagedkv.conformance.problem import PagedProblem, cached_kv
 from pagedkv.reference import reference_attention
 from pagedkv.spec import AttentionSpec
 
-# an alternative reference: [num_actual_tokens, Hq, Dv] float64, NaN in the rows the
-# hypothesis says nothing about
-Alternative = Callable[[], torch.Tensor]
+# an alternative reference for some requests: [num_actual_tokens, Hq, Dv] float64, NaN
+# in the rows of other requests and in those the hypothesis says nothing about
+Alternative = Callable[[set[int]], torch.Tensor]
 
 
 def output_hints(
@@ -35,8 +35,9 @@ def output_hints(
     hints += _multi_block_pattern(problem, failing)
     hints += _gqa_pattern(problem, failing)
     if not problem.scenario.is_mla:  # the MLA reference has no such modifiers
+        bad, _ = _failing_requests(problem, failing)  # only their rows are recomputed
         for claim, alternative in _hypotheses(problem):
-            if _explains(alternative(), actual, failing, atol, rtol):
+            if _explains(alternative(bad), actual, failing, atol, rtol):
                 hints.append(claim + _rows_qualifier(problem, failing))
     return hints
 
@@ -109,7 +110,7 @@ def _hypotheses(problem: PagedProblem) -> Iterator[tuple[str, Alternative]]:
         yield (
             f"the failing rows equal attention without the sliding window ({spec.sliding_window}"
             "): the kernel ignores the window there",
-            lambda: _reference(problem, spec.replace(sliding_window=None)),
+            lambda reqs: _reference(problem, reqs, spec.replace(sliding_window=None)),
         )
     default_scale = spec.head_size**-0.5
     if abs(spec.scale - default_scale) > 1e-9 * default_scale:
@@ -117,35 +118,35 @@ def _hypotheses(problem: PagedProblem) -> Iterator[tuple[str, Alternative]]:
             f"the failing rows equal attention with the softmax scale head_size ** -0.5 = "
             f"{default_scale:.6g} instead of spec.scale = {spec.scale:.6g}: the kernel derives "
             "its own scale",
-            lambda: _reference(problem, spec.replace(scale=default_scale)),
+            lambda reqs: _reference(problem, reqs, spec.replace(scale=default_scale)),
         )
     if spec.logits_soft_cap is not None:
         yield (
             f"the failing rows equal attention without the logits soft cap "
             f"({spec.logits_soft_cap}): the kernel ignores the cap there",
-            lambda: _reference(problem, spec.replace(logits_soft_cap=None)),
+            lambda reqs: _reference(problem, reqs, spec.replace(logits_soft_cap=None)),
         )
     if spec.alibi_slopes is not None:
         yield (
             "the failing rows equal attention without the ALiBi bias: the kernel ignores "
             "alibi_slopes there",
-            lambda: _reference(problem, spec.replace(alibi_slopes=None)),
+            lambda reqs: _reference(problem, reqs, spec.replace(alibi_slopes=None)),
         )
     if problem.sinks is not None:
         yield (
             "the failing rows equal attention without the sink logits: the kernel leaves the "
             "sinks out of the softmax denominator",
-            lambda: _reference(problem, spec, sinks=None),
+            lambda reqs: _reference(problem, reqs, spec, sinks=None),
         )
     yield (
         f"the failing rows equal {'non-causal' if spec.causal else 'causal'} attention: the "
         f"kernel's causal flag is inverted (spec.causal is {spec.causal})",
-        lambda: _reference(problem, spec.replace(causal=not spec.causal)),
+        lambda reqs: _reference(problem, reqs, spec.replace(causal=not spec.causal)),
     )
     yield (
         "the failing rows equal attention over one key fewer (each query misses the last key "
         "it should see): the sequence length or the causal mask is off by one",
-        lambda: _reference(problem, spec, drop_last_key=True),
+        lambda reqs: _reference(problem, reqs, spec, drop_last_key=True),
     )
 
 
@@ -154,33 +155,37 @@ _KEEP = object()
 
 def _reference(
     problem: PagedProblem,
+    requests: set[int],
     spec: AttentionSpec,
     sinks: object = _KEEP,
     drop_last_key: bool = False,
 ) -> torch.Tensor:
-    """The reference for ``spec`` (and ``sinks``); with ``drop_last_key``, each request
-    with a context attends to its keys but the last (rows of requests without a
-    context are NaN: the hypothesis says nothing there)."""
+    """The reference of ``requests`` for ``spec`` (and ``sinks``), NaN in other rows.
+    With ``drop_last_key``, each request attends to its keys but the last; one
+    without a context (a prefill) is left out: the hypothesis says nothing there."""
     scenario = problem.scenario
-    n = problem.common.num_actual_tokens
+    owners = scenario.row_requests()
     keys, values = cached_kv(problem)
-    undefined = set()
+    included = set(requests)
     if drop_last_key:
-        for r, (s, q) in enumerate(zip(scenario.seq_lens, scenario.query_lens, strict=True)):
-            if s > q:
+        for r in sorted(included):
+            if scenario.seq_lens[r] > scenario.query_lens[r]:
                 keys[r], values[r] = keys[r][:-1], values[r][:-1]
             else:
-                undefined.add(r)
-    out = reference_attention(
-        problem.query[:n].cpu(),
-        keys,
-        values,
-        list(scenario.query_lens),
-        spec,
-        problem.sinks if sinks is _KEEP else sinks,
+                included.discard(r)
+    out = torch.full(
+        (len(owners), spec.num_heads, spec.head_size_v), float("nan"), dtype=torch.float64
     )
-    rows = [t for t, r in enumerate(scenario.row_requests()) if r in undefined]
-    out[rows] = float("nan")
+    rows = [t for t, r in enumerate(owners) if r in included]
+    if rows:
+        out[rows] = reference_attention(
+            problem.query[rows].cpu(),
+            keys,
+            values,
+            [q if r in included else 0 for r, q in enumerate(scenario.query_lens)],
+            spec,
+            problem.sinks if sinks is _KEEP else sinks,
+        )
     return out
 
 

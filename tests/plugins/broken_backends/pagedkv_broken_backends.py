@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pagedkv
 import torch
+from pagedkv import Capabilities
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.impl import TorchAttentionImpl
 from pagedkv.conformance import Scenario
@@ -161,10 +162,14 @@ class _SmallWindowsRefused(_BrokenBackend):
 
 class BrokenCopyAxisBackend(TorchBackend):
     """copy_blocks indexes axis 2 of the (2, num_blocks, block_size, H, D) cache (the
-    slots) instead of the block axis 1."""
+    slots) instead of the block axis 1. Its attention is right; it declares little,
+    so that the suite spends few scenarios on it."""
 
     name = "broken_copy_axis"
     priority = -100
+    capabilities = Capabilities(
+        dtypes=frozenset({torch.float16}), head_sizes=(64,), block_sizes=(16,)
+    )
 
     def copy_blocks(self, kv_cache, src, dst):
         kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
