@@ -16,6 +16,7 @@ import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.check import ScenarioResult, compare_outputs, run_scenario
 from pagedkv.conformance.design import Plan, design_scenarios
+from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.errors import PagedKVError, UnknownBackendError
 from pagedkv.registry import get_registry
@@ -29,6 +30,29 @@ class ConformanceUsageError(PagedKVError, ValueError):
     """A --backend or --device value names nothing that can be tested."""
 
 
+def resolve_device(option: str | None) -> str:
+    """The device a run uses: ``option`` when this host can allocate on it, else a
+    ConformanceUsageError saying why not (a backend must not be judged on a device
+    that does not exist here). Default: cuda when available, else cpu."""
+    if not option:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(option)
+    except (RuntimeError, ValueError) as exc:
+        raise ConformanceUsageError(f"--device {option!r}: {exc}") from None
+    if device.type != "cpu":
+        try:
+            torch.empty(1, device=device)
+        except Exception as exc:
+            cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            why = "".join(str(exc).strip().splitlines()[:1])
+            raise ConformanceUsageError(
+                f"--device {option!r} is not usable on this host ({type(exc).__name__}: "
+                f"{why}); devices here: {', '.join(['cpu', *cuda])}"
+            ) from None
+    return str(device)
+
+
 @dataclass
 class Target:
     """One backend under test, as named on the command line."""
@@ -40,6 +64,14 @@ class Target:
     reason: str = ""  # why not available
     distribution: str = ""
     plan: Plan | None = None
+    # creating or introspecting the backend raised: a bug in the backend, which fails
+    # the run whether or not it was requested
+    broken: bool = False
+
+
+def _broken(target: Target, reason: str) -> Target:
+    target.available, target.broken, target.reason = False, True, reason
+    return target
 
 
 @dataclass
@@ -66,21 +98,19 @@ class ConformanceRun:
     names: list[str]  # --backend values; empty: the default backend
     level: str = "quick"
     device_option: str | None = None
+    # a requested backend that is unavailable is skipped instead of failing the run
+    allow_unavailable: bool = False
     results: dict[tuple[str, str], ScenarioResult] = field(default_factory=dict)
     checks: list[CheckResult] = field(default_factory=list)
     collected: bool = False  # a conformance test was collected in this session
     report_files: tuple[Path, ...] = ()  # written at the end of the session
+    deselected: set[tuple[str, str]] = field(default_factory=set)  # (label, scenario) by -k
 
     # -- backends ---------------------------------------------------------------------
 
     @cached_property
     def device(self) -> str:
-        if self.device_option:
-            try:
-                return str(torch.device(self.device_option))
-            except (RuntimeError, ValueError) as exc:
-                raise ConformanceUsageError(f"--device {self.device_option!r}: {exc}") from None
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device_option)
 
     @cached_property
     def targets(self) -> list[Target]:
@@ -132,20 +162,30 @@ class ConformanceRun:
         target.distribution = entry.distribution
         try:
             target.backend = registry.create(choice.name, **choice.options)
-            target.available, target.reason = target.backend.is_available()
         except PagedKVError as exc:
             raise ConformanceUsageError(f"--backend {label!r}: {exc}") from None
         except Exception as exc:
-            target.reason = f"creating the backend raised {type(exc).__name__}: {exc}"
-            return target
+            return _broken(target, f"creating the backend raised {describe_exception(exc)}")
+        try:
+            target.available, target.reason = target.backend.is_available()
+            devices = set(target.backend.capabilities.devices)
+            _ = target.backend.layout, target.backend.capabilities.describe()
+        except Exception as exc:
+            return _broken(target, f"introspecting the backend raised {describe_exception(exc)}")
         device_type = torch.device(self.device).type
-        devices = target.backend.capabilities.devices
         if target.available and device_type not in devices:
             target.available = False
             target.reason = (
                 f"does not run on {device_type} (declares devices: {', '.join(sorted(devices))})"
             )
         return target
+
+    def fails_run(self, target: Target) -> bool:
+        """An untestable backend that fails the run: a broken one, or a requested one
+        that is unavailable (unless unavailable backends are allowed)."""
+        if target.available:
+            return False
+        return target.broken or (target.requested and not self.allow_unavailable)
 
     @property
     def available_targets(self) -> list[Target]:
@@ -154,10 +194,20 @@ class ConformanceRun:
     # -- plans ------------------------------------------------------------------------
 
     def plan(self, target: Target) -> Plan:
+        """The target's scenarios; a backend whose declarations cannot be read gets an
+        empty plan with the reason as its problem (test_scenario_plan fails it)."""
         if target.plan is None:
             assert target.backend is not None
             extra, problems = self._plugin_scenarios(target.backend)
-            target.plan = design_scenarios(target.backend, self.level, self.device, extra)
+            try:
+                target.plan = design_scenarios(target.backend, self.level, self.device, extra)
+            except Exception as exc:
+                target.plan = Plan()
+                problems.insert(
+                    0,
+                    f"planning its scenarios raised {describe_exception(exc)} (are its "
+                    "capabilities a pagedkv.Capabilities?)",
+                )
             target.plan.problems += problems
         return target.plan
 
@@ -259,9 +309,14 @@ class ConformanceRun:
     def counts(self, target: Target) -> dict[str, int]:
         ran = [r for (label, _), r in self.results.items() if label == target.label]
         plan = target.plan
+        planned = len(plan.scenarios) if plan else 0
+        deselected = sum(label == target.label for label, _ in self.deselected)
         return {
             "passed": sum(r.passed for r in ran),
             "failed": sum(not r.passed for r in ran),
+            "deselected": deselected,
+            # planned, not deselected, and yet not run (-x stopped the session, say)
+            "not_run": max(0, planned - len(ran) - deselected),
             "not_applicable": len(plan.not_applicable) if plan else 0,
-            "planned": len(plan.scenarios) if plan else 0,
+            "planned": planned,
         }
