@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.config import parse_config
 from pagedkv.conformance.check import ScenarioResult, compare_outputs, run_scenario
 from pagedkv.conformance.design import Plan, design_scenarios
 from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.errors import PagedKVError, UnknownBackendError
-from pagedkv.registry import get_registry
-from pagedkv.selection import parse_config
+from pagedkv.registry import PHASE_SPLIT, PluginFailure, get_registry
 
 DEFAULT_BACKEND = "torch"
 ALL = "all"
@@ -67,6 +67,15 @@ class Target:
     # creating or introspecting the backend raised: a bug in the backend, which fails
     # the run whether or not it was requested
     broken: bool = False
+
+
+def _failed(target: Target, failure: PluginFailure) -> Target:
+    """A target the registry could not load: a backend it refused for its declarations
+    (or a duplicated name) is broken; a plugin that failed to import is unavailable."""
+    target.available, target.reason = False, failure.reason
+    target.distribution = failure.distribution
+    target.broken = bool(failure.backend) and not failure.conflict
+    return target
 
 
 def _broken(target: Target, reason: str) -> Target:
@@ -119,21 +128,10 @@ class ConformanceRun:
         out: dict[str, Target] = {}
         for name in self.names or [DEFAULT_BACKEND]:
             if name == ALL:
-                everything = sorted(
-                    registry.entries.values(), key=lambda e: (-e.cls.priority, e.cls.name)
-                )
-                for entry in everything:
-                    out.setdefault(entry.cls.name, self._resolve(entry.cls.name, False))
+                for entry in registry.by_priority():
+                    out.setdefault(entry.name, self._resolve(entry.name, False))
                 for failure in registry.failures:
-                    out.setdefault(
-                        failure.plugin,
-                        Target(
-                            failure.plugin,
-                            requested=False,
-                            reason=f"plugin failed to load: {failure.error}",
-                            distribution=failure.distribution,
-                        ),
-                    )
+                    out.setdefault(failure.name, _failed(Target(failure.name, False), failure))
             else:
                 out[name] = self._resolve(name, bool(self.names))
         return list(out.values())
@@ -152,14 +150,12 @@ class ConformanceRun:
         choice = choices[0]
         target = Target(label, requested)
         entry = registry.entries.get(choice.name)
-        if entry is None:
+        if entry is None and choice.name != PHASE_SPLIT:
             failure = registry.failure_for(choice.name)
             if failure is None:
                 raise ConformanceUsageError(str(UnknownBackendError(choice.name, registry.entries)))
-            target.reason = f"plugin failed to load: {failure.error}"
-            target.distribution = failure.distribution
-            return target
-        target.distribution = entry.distribution
+            return _failed(target, failure)
+        target.distribution = entry.distribution if entry is not None else "pagedkv"
         try:
             target.backend = registry.create(choice.name, **choice.options)
         except PagedKVError as exc:

@@ -64,17 +64,20 @@ def test_broken_declarations_are_reported_not_crashed_on(registered, tmp_path):
     run = ConformanceRun(["torch", "misspelt", "bad_block_sizes"], device_option="cpu")
     torch_target, misspelt, bad = run.targets
     assert torch_target.available and not torch_target.broken
-    for target in (misspelt, bad):
-        assert target.broken and not target.available and run.fails_run(target)
-        assert target.reason.startswith("introspecting the backend raised ")
-    assert "AttributeError" in misspelt.reason and "capabilities" in misspelt.reason
+    # the registry refuses a class whose declaration is missing; one it cannot read
+    # until the backend introspects itself breaks at that point
+    assert misspelt.broken and not misspelt.available and run.fails_run(misspelt)
+    assert "capabilities must be a pagedkv.Capabilities" in misspelt.reason
+    assert bad.broken and not bad.available and run.fails_run(bad)
+    assert bad.reason.startswith("introspecting the backend raised ")
     assert "TypeError: 'int' object is not iterable" in bad.reason
     run.run(torch_target, run.plan(torch_target).scenarios[0])
     data = report_data(run)
-    assert data["backends"]["misspelt"]["capabilities"].startswith("unreadable: AttributeError")
+    assert data["backends"]["bad_block_sizes"]["capabilities"].startswith("unreadable: TypeError")
     lines = summary_lines(data)
     assert any(
-        line.startswith("misspelt: BROKEN: introspecting the backend raised") for line in lines
+        line.startswith("misspelt: BROKEN: capabilities must be a pagedkv.Capabilities")
+        for line in lines
     )
     assert "bad_block_sizes: BROKEN" in markdown(data)
     json_path, _ = write_report(run, tmp_path / "r")
