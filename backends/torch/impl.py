@@ -57,9 +57,9 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
             if q_end > q_start:
                 k, v = self._gather(k_cache, v_cache, common.block_table[i], seq_len)
                 rows = slice(q_start, q_end)
-                self._attend(
-                    query[rows], k, v, seq_len, output[rows], None if lse is None else lse[rows]
-                )
+                # lse only when asked: subclasses may override _attend without it
+                extra = {} if lse is None else {"lse": lse[rows]}
+                self._attend(query[rows], k, v, seq_len, output[rows], **extra)
 
     def _gather(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
