@@ -127,32 +127,39 @@ def _naive_merge(parts, lse, indptr, sinks, rows):
 
 def _merge_case(with_sinks):
     gen = torch.Generator().manual_seed(3)
-    indptr = [0, 3, 4, 4, 9, 10]  # 3 slices, 1, none, 5, 1
-    parts = torch.randn(11, 3, 20, generator=gen)  # one trailing padding row
-    lse = torch.randn(11, 3, generator=gen) * 4
+    # 3 slices, 1, none, 5, 1, 37 (more than the kernel's chunk of 16)
+    indptr = [0, 3, 4, 4, 9, 10, 47]
+    parts = torch.randn(48, 3, 20, generator=gen)  # one trailing padding row
+    lse = torch.randn(48, 3, generator=gen) * 4
     lse[3, 1] = -math.inf  # a slice without keys
     lse[9, :] = -math.inf  # a row without keys at all
     sinks = torch.randn(3, generator=gen) if with_sinks else None
     return parts, lse, torch.tensor(indptr, dtype=torch.int32), sinks
 
 
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize(
+    ("with_sinks", "heads_major"),
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "sinks", "sinks-heads-major-lse"],
+)
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_merge_matches_a_naive_softmax(use_triton, with_sinks):
+def test_merge_matches_a_naive_softmax(use_triton, with_sinks, heads_major):
     parts, lse, indptr, sinks = _merge_case(with_sinks)
-    out = torch.full((5, 3, 20), math.nan)
-    merge_by_lse(parts, lse, indptr, out, sinks, use_triton=use_triton)
-    expected = _naive_merge(parts, lse, indptr.tolist(), sinks, 5)
+    out = torch.full((6, 3, 20), math.nan)
+    # FA4 returns its LSE as [heads, rows]: the merge takes any strides
+    given = lse.t().contiguous().t() if heads_major else lse
+    merge_by_lse(parts, given, indptr, out, sinks, use_triton=use_triton)
+    expected = _naive_merge(parts, lse, indptr.tolist(), sinks, 6)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
     assert not out[2].any()  # no partial rows: zeros
 
 
 def test_merge_rejects_bad_shapes():
     parts, lse, indptr, _ = _merge_case(False)
-    out = torch.empty(5, 3, 20)
-    with pytest.raises(ValueError, match=r"partial_lse: expected float32 \[11, 3\]"):
+    out = torch.empty(6, 3, 20)
+    with pytest.raises(ValueError, match=r"partial_lse: expected float32 \[48, 3\]"):
         merge_by_lse(parts, lse.half(), indptr, out)
-    with pytest.raises(ValueError, match=r"merge_indptr: expected int32 \[6\]"):
+    with pytest.raises(ValueError, match=r"merge_indptr: expected int32 \[7\]"):
         merge_by_lse(parts, lse, indptr.long(), out)
     with pytest.raises(ValueError, match=r"partial_out: expected \[R, 3, 20\]"):
         merge_by_lse(parts[:, :2], lse, indptr, out)
@@ -266,7 +273,8 @@ def test_attend_with_lse_returns_the_log_sum_exp():
     group = spec.num_queries_per_kv
     out = torch.empty(rows, spec.num_heads, 16)
     lse = torch.empty(rows, spec.num_heads)
-    impl.attend_with_lse(problem.query, cache, md, out, lse)
+    got_out, got_lse = impl.attend_with_lse(problem.query, cache, md, out, lse)
+    assert got_out is out and got_lse is lse
     qsl = problem.common.query_start_loc_cpu.tolist()
     for i, (k, v) in enumerate(zip(problem.keys, problem.values, strict=True)):
         q = problem.query[qsl[i] : qsl[i + 1]].double()

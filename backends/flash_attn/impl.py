@@ -61,18 +61,25 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         metadata: FlashAttnMetadata,
         output: torch.Tensor,
         lse: torch.Tensor,
-    ) -> None:
-        """``attend`` without the sinks, also writing each row's log-sum-exp (natural
-        log) into ``lse`` [T, num_heads] float32 (FA4's ``return_lse``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the sinks, with each row's log-sum-exp (natural log),
+        [T, num_heads] float32 (FA4's ``return_lse``). Returns FA4's own tensors when
+        they cover every row (the sliced steps: no copy), else ``(output, lse)``."""
         if not self.adapter.returns_lse:
             raise UnsupportedError(
                 f"flash_attn ({self.adapter.name}) does not return the log-sum-exp"
             )
-        if metadata.rows:
-            out, row_lse = self._call(query, kv_cache, metadata, None, return_lse=True)
-            assert row_lse is not None
-            output[: metadata.rows] = out
-            lse[: metadata.rows] = row_lse.t()  # FA4's varlen LSE is [num_heads, rows]
+        rows = metadata.rows
+        if not rows:
+            return output, lse
+        out, row_lse = self._call(query, kv_cache, metadata, None, return_lse=True)
+        assert row_lse is not None
+        row_lse = row_lse.t()  # FA4's varlen LSE is [num_heads, rows]
+        if rows == output.shape[0]:
+            return out, row_lse
+        output[:rows] = out
+        lse[:rows] = row_lse
+        return output, lse
 
     def _call(
         self,

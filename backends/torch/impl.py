@@ -34,12 +34,14 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         metadata: TorchMetadata,
         output: torch.Tensor,
         lse: torch.Tensor,
-    ) -> None:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend`` without the sinks, also writing each row's log-sum-exp of its scaled
         scores (natural log) into ``lse`` [T, num_heads] float32 (what the split-KV
-        combinator of pagedkv.toolkit.split_kv merges by; it adds the sinks once)."""
+        combinator of pagedkv.toolkit.split_kv merges by; it adds the sinks once).
+        Returns ``(output, lse)``."""
         lse[metadata.common.num_actual_tokens :] = float("-inf")
         self._attend_requests(query, kv_cache, metadata, output, lse)
+        return output, lse
 
     def _attend_requests(
         self,

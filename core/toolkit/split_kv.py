@@ -129,10 +129,12 @@ class LSEAttention(Protocol):
         metadata: Any,
         output: torch.Tensor,
         lse: torch.Tensor,
-    ) -> None:
-        """``attend`` without the layer's sinks, also writing the log-sum-exp (natural log)
-        of each row's scaled scores into ``lse`` [T, num_heads] float32 (-inf: no key).
-        Rows past ``num_actual_tokens`` are unspecified in both."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the layer's sinks, with the log-sum-exp (natural log) of each
+        row's scaled scores, [T, num_heads] float32 (-inf: no key). Returns the tensors
+        holding the results: ``output`` and ``lse`` once written, or the kernel's own of
+        the same shapes (any strides) to spare a copy. Rows past ``num_actual_tokens``
+        are unspecified in both."""
 
 
 def split_problem(spec: AttentionSpec) -> str | None:
@@ -396,7 +398,7 @@ def attend_sliced(
     rows = expanded_query.shape[0]
     partial = output.new_empty(rows, *output.shape[1:])
     lse = torch.empty(rows, output.shape[1], dtype=torch.float32, device=output.device)
-    impl.attend_with_lse(expanded_query, kv_cache, metadata, partial, lse)
+    partial, lse = impl.attend_with_lse(expanded_query, kv_cache, metadata, partial, lse)
     merge_by_lse(partial, lse, slices.merge_indptr, output, sinks)
 
 

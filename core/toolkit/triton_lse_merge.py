@@ -2,11 +2,12 @@
 results over disjoint key ranges, merged by their log-sum-exp.
 
 Grid ``(T, H)``: one program per (output row, head) walks the partial rows
-``merge_indptr[t]:merge_indptr[t + 1]`` with an online rescale (the running maximum
-of the LSEs, as flash-decoding's reduction does), adds the sink logit of the head to
-the denominator once, and stores the normalised row. A row with no partials stores
-zeros. No host data is read per step (bounds come from ``merge_indptr``), so the
-launch is CUDA-graph capturable.
+``merge_indptr[t]:merge_indptr[t + 1]`` a chunk of ``CHUNK`` at a time (one round trip
+to memory per chunk, not per partial: a long decode has tens of slices), with an
+online rescale by the running maximum of the LSEs as flash-decoding's reduction does,
+adds the head's sink logit to the denominator once, and stores the normalised row. A
+row with no partials stores zeros. Bounds come from ``merge_indptr`` on the device,
+so no host data is read per step and the launch is CUDA-graph capturable.
 
 Importing this module imports triton; ``pagedkv`` itself never does.
 """
@@ -21,6 +22,10 @@ from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import fix_interpreter_loop_bounds
 
 fix_interpreter_loop_bounds()  # the loop over partial rows has runtime bounds
+
+
+# partial rows merged per loop iteration: 16 covers most rows in one or two round trips
+CHUNK = 16
 
 
 @triton.jit
@@ -40,6 +45,7 @@ def merge_by_lse_kernel(
     stride_lh,
     HEAD_SIZE_V: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -57,18 +63,22 @@ def merge_by_lse_kernel(
     else:
         m = tl.full([], float("-inf"), tl.float32)
         denom = tl.full([], 0.0, tl.float32)
-    for k in range(start, end):
-        lse = tl.load(PartLse + k * stride_lt + head * stride_lh)
-        m_new = tl.maximum(m, lse)
+    for k0 in range(start, end, CHUNK):
+        ks = k0 + tl.arange(0, CHUNK)
+        k_ok = ks < end
+        lse = tl.load(PartLse + ks * stride_lt + head * stride_lh, mask=k_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
         # all -inf so far: nothing to rescale, keep exp() away from -inf - -inf
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         rescale = tl.exp(m - m_use)
         weight = tl.exp(lse - m_use)
-        part = tl.load(
-            PartOut + k * stride_pt + head * stride_ph + dims * stride_pd, mask=dim_ok, other=0.0
+        parts = tl.load(
+            PartOut + ks[:, None] * stride_pt + head * stride_ph + dims[None, :] * stride_pd,
+            mask=k_ok[:, None] & dim_ok[None, :],
+            other=0.0,
         ).to(tl.float32)
-        acc = acc * rescale + weight * part
-        denom = denom * rescale + weight
+        acc = acc * rescale + tl.sum(weight[:, None] * parts, 0)
+        denom = denom * rescale + tl.sum(weight, 0)
         m = m_new
     out = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
@@ -107,7 +117,8 @@ def plan_merge_by_lse(
             stride_lh=lse[1],
             HEAD_SIZE_V=head_size_v,
             HEAD_PAD=next_power_of_2(head_size_v),
+            CHUNK=CHUNK,
             HAS_SINKS=sinks is not None,
-            num_warps=1 if head_size_v <= 128 else 2,
+            num_warps=2 if head_size_v <= 128 else 4,
         ),
     )
