@@ -172,13 +172,20 @@ def test_merge_kernel_compiles_for_sm90():
     from pagedkv.toolkit.triton_lse_merge import plan_merge_by_lse
     from triton_compile import compile_launches
 
-    # the largest head (256) with sinks: the most registers any variant holds
-    out = torch.empty(5, 8, 256, dtype=torch.bfloat16)
-    parts = torch.empty(9, 8, 256, dtype=torch.bfloat16)
-    launch = plan_merge_by_lse(parts, torch.empty(9, 8), torch.zeros(6, dtype=torch.int32), out,
-                               torch.empty(8))  # fmt: skip
-    (result,) = compile_launches([launch], labels=["merge-d256-bf16-sinks"])
-    assert result.ok and not result.spill_bytes, str(result)
+    # the largest head (256) with sinks (the most registers any variant holds), and the
+    # branch without sinks
+    launches, labels = [], []
+    for head_size_v, dtype, sinks in (
+        (256, torch.bfloat16, torch.empty(8)),
+        (128, torch.float16, None),
+    ):
+        out = torch.empty(5, 8, head_size_v, dtype=dtype)
+        parts = torch.empty(9, 8, head_size_v, dtype=dtype)
+        indptr = torch.zeros(6, dtype=torch.int32)
+        launches.append(plan_merge_by_lse(parts, torch.empty(9, 8), indptr, out, sinks))
+        labels.append(f"merge-d{head_size_v}-{'sinks' if sinks is not None else 'plain'}")
+    results = compile_launches(launches, labels=labels)
+    assert all(r.ok and not r.spill_bytes for r in results), [str(r) for r in results]
 
 
 # -- end to end with the torch backend ---------------------------------------------------
