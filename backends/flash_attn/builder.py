@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -65,6 +65,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         self.adapter = require_adapter(impl, self.device)
         self.forced_splits = int(num_splits or 0)
         major = gpu_major(self.device)
+        # who splits long decodes: the library itself, pagedkv's combinator, or nobody
+        self.route: Literal["library", "combinator", "none"]
         if major in self.adapter.native_split_majors:
             self.route = "library"
         elif self.adapter.returns_lse and split_problem(spec) is None:
