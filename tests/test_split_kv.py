@@ -144,13 +144,22 @@ def _merge_case(with_sinks):
 )
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 def test_merge_matches_a_naive_softmax(use_triton, with_sinks, heads_major):
+    # the kernel runs compiled on a GPU, in Triton's interpreter on a CPU
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     parts, lse, indptr, sinks = _merge_case(with_sinks)
-    out = torch.full((6, 3, 20), math.nan)
+    out = torch.full((6, 3, 20), math.nan, device=device)
     # FA4 returns its LSE as [heads, rows]: the merge takes any strides
     given = lse.t().contiguous().t() if heads_major else lse
-    merge_by_lse(parts, given, indptr, out, sinks, use_triton=use_triton)
+    merge_by_lse(
+        parts.to(device),
+        given.to(device),
+        indptr.to(device),
+        out,
+        None if sinks is None else sinks.to(device),
+        use_triton=use_triton,
+    )
     expected = _naive_merge(parts, lse, indptr.tolist(), sinks, 6)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-6)
     assert not out[2].any()  # no partial rows: zeros
 
 
