@@ -1,4 +1,4 @@
-"""The FlashInfer backend's layouts, options and declared capabilities."""
+"""The FlashInfer backend's declaration: layouts, options and capabilities."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pagedkv.backend import (
 )
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
 from pagedkv.layout import BLOCK_HND, BLOCK_NHD
 from pagedkv.spec import AttentionSpec
 
@@ -29,11 +30,12 @@ class FlashInferBackend(AttentionBackend):
     """FlashInfer's batch decode and batch prefill wrappers over one paged cache.
 
     Per step the builder converts the block table to FlashInfer's CSR page lists and
-    runs ``plan()``; per layer ``forward`` only calls ``run()``: single-token rows go
+    runs ``plan()``; per layer ``attend`` only calls ``run()``: single-token rows go
     through ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores), multi-token rows
     through ``BatchPrefillWithPagedKVCacheWrapper``. Layers with sinks run every row
     through ``BatchAttentionWithAttentionSinkWrapper``, because the plain wrappers'
     fa2/fa3 kernels (everything below SM100) drop ``run(sinks=...)`` without a word.
+    After ``reserve_cuda_graph`` pure-decode steps plan on fixed-buffer wrappers.
     """
 
     name = "flashinfer"
@@ -63,12 +65,14 @@ class FlashInferBackend(AttentionBackend):
                 Feature.SINKS,
                 Feature.NON_CAUSAL,
                 Feature.FP8_KV,
-                Feature.CUDA_GRAPH,
             }
         ),
         devices=frozenset({"cuda"}),
+        # mixed steps would need the prefill wrapper's graph mode, whose plan fixes the
+        # batch size and total rows at the first plan; not wired (docs/flashinfer.md)
+        cuda_graph=GraphSupport.PURE_DECODE,
         notes=(
-            "CUDA graphs: pure-decode steps built with build(common, cuda_graph=True)",
+            "CUDA graphs: pure-decode steps after builder.reserve_cuda_graph(...)",
             "ALiBi: FlashInfer applies its own slopes, not the layer's; not wired",
         ),
     )
@@ -78,12 +82,10 @@ class FlashInferBackend(AttentionBackend):
         # the layout is a property of the configured instance, not of the class
         self.kv_layout = KV_LAYOUTS[str(self.options["kv_layout"])]
 
-    # -- layout -----------------------------------------------------------------------
-
     # -- parts ------------------------------------------------------------------------
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.flashinfer.impl import FlashInferMetadataBuilder
+        from pagedkv.backends.flashinfer.builder import FlashInferMetadataBuilder
 
         return FlashInferMetadataBuilder
 
@@ -135,14 +137,6 @@ class FlashInferBackend(AttentionBackend):
                 "fa3 kernels read fp8 K/V only with fp8 queries (use prefill_backend=auto or fa2)"
             )
         return out
-
-
-def logical_views(kv_cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [num_blocks, block_size, num_kv_heads, head_size] views of a cache."""
-    k, v = kv_cache[:, 0], kv_cache[:, 1]
-    if kv_layout == "HND":
-        return k.transpose(1, 2), v.transpose(1, 2)
-    return k, v
 
 
 def jit_toolchain_problem() -> str | None:

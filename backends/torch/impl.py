@@ -25,6 +25,32 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         metadata: TorchMetadata,
         output: torch.Tensor,
     ) -> None:
+        self._attend_requests(query, kv_cache, metadata, output, None)
+
+    def attend_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the sinks, also writing each row's log-sum-exp of its scaled
+        scores (natural log) into ``lse`` [T, num_heads] float32 (what the split-KV
+        combinator of pagedkv.toolkit.split_kv merges by; it adds the sinks once).
+        Returns ``(output, lse)``."""
+        lse[metadata.common.num_actual_tokens :] = float("-inf")
+        self._attend_requests(query, kv_cache, metadata, output, lse)
+        return output, lse
+
+    def _attend_requests(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
         common = metadata.common
         output[common.num_actual_tokens :] = 0
         k_cache, v_cache = self.layout().logical(kv_cache, self.spec)
@@ -32,7 +58,10 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
             q_start, q_end = metadata.query_starts[i], metadata.query_starts[i + 1]
             if q_end > q_start:
                 k, v = self._gather(k_cache, v_cache, common.block_table[i], seq_len)
-                self._attend(query[q_start:q_end], k, v, seq_len, output[q_start:q_end])
+                rows = slice(q_start, q_end)
+                # lse only when asked: subclasses may override _attend without it
+                extra = {} if lse is None else {"lse": lse[rows]}
+                self._attend(query[rows], k, v, seq_len, output[rows], **extra)
 
     def _gather(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
@@ -47,8 +76,16 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         )
 
     def _attend(
-        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, out: torch.Tensor
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_len: int,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
+        """One request's rows; with ``lse`` [q_len, num_heads] the sinks are left out and
+        the log-sum-exp is written there."""
         s = self.spec
         q_len, hkv, group = query.shape[0], s.num_kv_heads, s.num_queries_per_kv
         device = query.device
@@ -56,7 +93,7 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         slopes = sinks = None
         if s.alibi_slopes is not None:
             slopes = torch.tensor(s.alibi_slopes, device=device).view(hkv, group, 1, 1)
-        if self.sinks is not None:
+        if self.sinks is not None and lse is None:
             sinks = self.sinks.to(device).view(hkv, group, 1, 1)
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, s.num_heads * seq_len))
         for c0 in range(0, q_len, chunk):
@@ -89,3 +126,5 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
                 1e-30
             )
             out[c0:c1] = result.reshape(c1 - c0, s.num_heads, s.head_size_v).to(out.dtype)
+            if lse is not None:
+                lse[c0:c1] = (row_max + torch.log(denom)).reshape(s.num_heads, c1 - c0).t()

@@ -9,8 +9,11 @@
   ``LOG2E``) and the interpreter loop-bound fix (imports triton).
 - ``pagedkv.toolkit.interpreter``: the one check for Triton's CPU interpreter.
 - ``pagedkv.toolkit.split_kv``: the split-KV policy (how many programs share one
-  sequence's keys), the SM count of a device, and the log-sum-exp merge of partial
-  attention results.
+  sequence's keys), the SM count of a device, the log-sum-exp merge of partial
+  attention results, and the split-KV combinator: slices of long decodes as extra
+  requests of one backend call, for any impl with ``attend_with_lse``.
+- ``pagedkv.toolkit.triton_lse_merge``: the Triton kernel behind the merge on CUDA
+  (imports triton).
 - ``pagedkv.toolkit.launch``: a planned kernel launch with keyword arguments.
 
 Nothing here is imported by ``import pagedkv``; each module imports only what it needs.
