@@ -7,12 +7,10 @@ compiles each configuration with the CuTe DSL on first call (~4 s each)."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 from graph_replay import DECODE_BOUNDS, DECODE_STEPS, MIXED_BOUNDS, MIXED_STEPS, replay_errors
-from pagedkv import AttentionSpec, BackendMetadata, CommonAttentionMetadata, GraphBounds
+from pagedkv import BackendMetadata, CommonAttentionMetadata
 from pagedkv.backends.flash_attn.backend import FlashAttnBackend
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.conformance import Scenario, run_scenario
@@ -134,60 +132,3 @@ def test_graph_replays_other_steps(steps, bounds, num_splits, use_sinks):
 
 
 # -- long-decode speed against FlashInfer -----------------------------------------------
-
-
-def _replay_us(backend, num_reqs: int, seq_len: int) -> tuple[float, float]:
-    """(eager us, graph us) medians of one decode step of the benchmark's layer (Hq 32,
-    Hkv 8, D 128, bf16, block 16) through the contract's graph path."""
-    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                         block_size=16)  # fmt: skip
-    pages = seq_len // 16
-    cache = backend.allocate_kv_cache(num_reqs * pages + 1, spec, "cuda")
-    cache.normal_()
-    tables = [list(range(1 + r * pages, 1 + (r + 1) * pages)) for r in range(num_reqs)]
-    step = CommonAttentionMetadata.from_requests([seq_len] * num_reqs, [1] * num_reqs, tables,
-                                                 16, "cuda")  # fmt: skip
-    q = torch.randn(num_reqs, 32, 128, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    impl = backend.make_impl(spec)
-
-    def median_us(fn) -> float:
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times[5:])
-
-    eager_md = backend.make_builder(spec, "cuda").build(step)
-    eager = median_us(lambda: impl.forward(q, None, None, cache, eager_md, output=out))
-    builder = backend.make_builder(spec, "cuda")
-    builder.reserve_cuda_graph(GraphBounds(num_reqs, num_reqs, pages))
-    md = builder.build(step)
-    impl.forward(q, None, None, cache, md, output=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(q, None, None, cache, md, output=out)
-    return eager, median_us(graph.replay)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("num_reqs", "seq_len"), [(1, 32768), (4, 32768)])
-def test_long_decode_within_1_2x_of_flashinfer(num_reqs, seq_len):
-    from pagedkv.backends.flashinfer.backend import FlashInferBackend
-
-    flashinfer = FlashInferBackend()
-    if not flashinfer.is_available()[0]:
-        pytest.skip(f"flashinfer unavailable: {flashinfer.is_available()[1]}")
-    backend = FlashAttnBackend()
-    if str(backend.capabilities.graph_support) == "never":
-        pytest.skip(f"{backend.adapter.name} declares no CUDA-graph support")
-    fa_eager, fa_graph = _replay_us(backend, num_reqs, seq_len)
-    fi_eager, fi_graph = _replay_us(flashinfer, num_reqs, seq_len)
-    print(f"{num_reqs}x{seq_len}: flash_attn eager {fa_eager:.1f} us, graph {fa_graph:.1f} us; "
-          f"flashinfer eager {fi_eager:.1f} us, graph {fi_graph:.1f} us; "
-          f"graph ratio {fa_graph / fi_graph:.2f}")  # fmt: skip
-    assert fa_graph <= 1.2 * fi_graph
