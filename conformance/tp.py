@@ -74,7 +74,7 @@ def _run_scenario(backend, scenario, shard_of, device: str, group_rank: int) -> 
         full = torch.cat(parts, dim=1).to(spec.dtype)
         result = ScenarioResult(f"{backend!r} tp={shard.tp_size}", scenario, device=device)
         _check_output(result, problem, full)
-        record["failures"] += result.failures
+        record["failures"] += [str(f) for f in result.failures]
         record["max_abs_error"] = result.max_abs_error
     return record
 

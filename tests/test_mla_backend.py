@@ -136,7 +136,7 @@ def test_a_scale_from_the_latent_width_fails():
     assert run_scenario(MLABackend(), scenario, DEVICE).passed
     result = run_scenario(_WrongScale(), scenario, DEVICE)
     assert not result.passed
-    assert "differs from the float64 reference" in result.failures[0]
+    assert "differs from the float64 reference" in str(result.failures[0])
 
 
 def _model_level(dtype, w_uk_transform=lambda w: w):

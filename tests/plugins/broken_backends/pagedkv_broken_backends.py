@@ -66,14 +66,14 @@ class _FullLastBlockImpl(TorchAttentionImpl):
     filled last block, one entry too far for a full one (the table's padding there
     names the null block)."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
-        bs = kv_cache.shape[2]
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        bs = k_cache.shape[1]
         if seq_len and seq_len % bs == 0:
             row = table_row.clone()
             too_far = seq_len // bs
             row[too_far - 1] = table_row[too_far] if too_far < len(table_row) else 0
             table_row = row
-        return super()._gather(kv_cache, table_row, seq_len)
+        return super()._gather(k_cache, v_cache, table_row, seq_len)
 
 
 class _HeadModuloImpl(TorchAttentionImpl):
