@@ -8,7 +8,9 @@ scenarios run compiled, bfloat16 included.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import weakref
 
 import numpy as np
 import pagedkv
@@ -373,6 +375,26 @@ def test_sequence_wider_than_its_block_table_row_is_refused():
     narrow = dataclasses.replace(common, block_table=common.block_table[:, :2].contiguous())
     with pytest.raises(MetadataError, match=r"seq_lens\[0\] = 40 needs 3 blocks of 16"):
         backend.make_builder(SMALL, DEVICE).build(narrow)
+
+
+def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
+    """The impl keeps its K/V views between forwards: a new cache (or new storage
+    behind the same tensor) gets new views, and a dropped cache is freed."""
+    backend, cache, common, q = _small_problem()
+    md = backend.make_builder(SMALL, DEVICE).build(common)
+    impl = backend.make_impl(SMALL)
+    first = impl.forward(q, None, None, cache, md)
+    other = torch.randn(cache.shape, generator=torch.Generator().manual_seed(9)).half()
+    other = other.to(DEVICE)
+    want = backend.make_impl(SMALL).forward(q, None, None, other, md)
+    assert torch.equal(impl.forward(q, None, None, other, md), want)
+    cache.set_(other.clone())  # the same tensor object over new storage
+    assert torch.equal(impl.forward(q, None, None, cache, md), want)
+    assert not torch.equal(first, want)
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None and impl._views is None
 
 
 # -- declared support ----------------------------------------------------------------------

@@ -10,6 +10,8 @@ capturable once each kernel has been compiled by a first, uncaptured call).
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,8 +46,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         self._reduce_args: dict[str, Any] = dict(USE_SINKS=sinks is not None)
         # per device: the layer's arguments with its sinks / ALiBi slopes there
         self._by_device: dict[torch.device, tuple[dict[str, Any], dict[str, Any]]] = {}
-        # (cache shape and offset, the K and V view geometry and strides), from the layout
-        self._views: tuple[Any, ...] | None = None
+        self._views: _CacheViews | None = None
 
     def attend(
         self,
@@ -134,27 +135,54 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         return args
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """K and V views of ``kv_cache`` and their strides. The layout's views are
-        derived once per cache shape; later calls rebuild them from that geometry
-        (``as_strided`` costs a fraction of deriving them)."""
-        key = (kv_cache.shape, kv_cache.storage_offset())
-        views = self._views
-        if views is None or views[0] != key:
-            k, v = self.layout().logical(kv_cache, self.spec)
-            ks, vs = k.stride(), v.stride()
-            strides = dict(
-                stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
-                stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
-            )  # fmt: skip
-            if ks[3] != 1 or vs[3] != 1:
-                raise UnsupportedError(
-                    f"kv_cache: the {self.layout().name} layout's head dimension is strided"
-                )
-            views = self._views = (
-                key,
-                (k.shape, ks, k.storage_offset()),
-                (v.shape, vs, v.storage_offset()),
-                strides,
+        """K and V views of ``kv_cache`` (from the layout, derived once per cache) and
+        their strides, as launch arguments."""
+        memo = self._views
+        if (
+            memo is not None
+            and memo.cache() is kv_cache
+            and memo.data_ptr == kv_cache.data_ptr()
+            and memo.shape == kv_cache.shape
+        ):
+            return memo.k, memo.v, memo.strides
+        k, v = self.layout().logical(kv_cache, self.spec)
+        ks, vs = k.stride(), v.stride()
+        if ks[3] != 1 or vs[3] != 1:
+            raise UnsupportedError(
+                f"kv_cache: the {self.layout().name} layout's head dimension is strided"
             )
-        _, k_geometry, v_geometry, strides = views
-        return kv_cache.as_strided(*k_geometry), kv_cache.as_strided(*v_geometry), strides
+        strides = dict(
+            stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
+            stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
+        )  # fmt: skip
+        # views on the storage rather than on kv_cache, so that the memo does not keep
+        # the cache tensor alive; its death drops the memo (and the storage with it)
+        storage = kv_cache.untyped_storage()
+        k, v = (
+            kv_cache.new_empty(0).set_(storage, t.storage_offset(), t.shape, t.stride())
+            for t in (k, v)
+        )
+        self._views = _CacheViews(
+            weakref.ref(kv_cache, self._forget_views),
+            kv_cache.data_ptr(),
+            kv_cache.shape,
+            k,
+            v,
+            strides,
+        )
+        return k, v, strides
+
+    def _forget_views(self, _: object) -> None:
+        self._views = None
+
+
+@dataclass(frozen=True)
+class _CacheViews:
+    """The K/V views of the last cache an impl attended over."""
+
+    cache: weakref.ref[torch.Tensor]
+    data_ptr: int
+    shape: torch.Size
+    k: torch.Tensor
+    v: torch.Tensor
+    strides: dict[str, int]
