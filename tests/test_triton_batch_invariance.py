@@ -170,6 +170,10 @@ def test_default_plans_differ_between_batches(dtype, capsys):
 def test_batch_invariant_excludes_forced_splits():
     with pytest.raises(pagedkv.ConfigError, match="num_splits and batch_invariant"):
         pagedkv.get_backend("triton", batch_invariant=True, num_splits=4)
+    builder = pagedkv.get_backend("triton", batch_invariant=True).make_builder(SPEC, DEVICE)
+    step = CommonAttentionMetadata.from_requests([40], [1], [[1, 2, 3]], 16, DEVICE)
+    with pytest.raises(pagedkv.ConfigError, match="num_splits=2: a batch-invariant plan"):
+        builder.build(step, num_splits=2)
     assert pagedkv.get_backend("triton", batch_invariant="true").capabilities.describe()[
         "batch_invariant"
     ]

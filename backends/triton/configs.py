@@ -182,13 +182,13 @@ def _layer_shape(spec: AttentionSpec) -> LayerShape:
 class StepShape:
     """What the rule reads of a step: each request's query and sequence length."""
 
-    query_lens: np.ndarray  # [B] int64
-    seq_lens: np.ndarray  # [B] int64
+    query_lens: np.ndarray  # [B] int
+    seq_lens: np.ndarray  # [B] int
 
     @staticmethod
     def of(common: CommonAttentionMetadata) -> StepShape:
-        qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
-        return StepShape(np.diff(qsl), common.seq_lens_cpu.numpy().astype(np.int64))
+        qsl = common.query_start_loc_cpu.numpy()
+        return StepShape(qsl[1:] - qsl[:-1], common.seq_lens_cpu.numpy())
 
     @staticmethod
     def of_bounds(common: CommonAttentionMetadata) -> StepShape:
@@ -255,18 +255,25 @@ def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, 
     return compute, memory
 
 
-def block_m_candidates(layer: LayerShape) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def block_m_candidates(layer: LayerShape) -> tuple[int, ...]:
     """Row counts a program may have: whole GQA groups, and a tile within the limits.
     fp32 dots keep both operands in registers: they stay at the fewest rows."""
     least = max(16, next_power_of_2(layer.group))
     if layer.fp32:
-        return [least]
-    return [m for m in BLOCK_M_CHOICES if m >= least and _fitting_tiles(layer, m)] or [least]
+        return (least,)
+    return tuple(m for m in BLOCK_M_CHOICES if m >= least and _fitting_tiles(layer, m)) or (least,)
 
 
 def choose_block_m(layer: LayerShape, step: StepShape) -> tuple[int, bool]:
     """(rows per program, whether the step is memory-bound at those rows)."""
-    costs = {m: step_cost(layer, step, m) for m in block_m_candidates(layer)}
+    candidates = block_m_candidates(layer)
+    least = candidates[0]
+    if step.max_query_len * layer.group <= least:
+        # every request fits one program of the fewest rows: more rows only add compute;
+        # each program then computes `least` rows per key it reads
+        return least, rows_per_key(layer) * mma_rate(layer, least) >= least
+    costs = {m: step_cost(layer, step, m) for m in candidates}
     best = min(max(c) for c in costs.values())
     block_m = min(m for m, c in costs.items() if max(c) <= best * (1 + ROWS_TIE))
     compute, memory = costs[block_m]
@@ -357,6 +364,7 @@ def num_stages(layer: LayerShape) -> int:
     return 1 if layer.fp32 and layer.cache_bytes == 1 else 2
 
 
+@functools.lru_cache(maxsize=1024)  # a function of the layer's shape: once per shape
 def choose_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> TileConfig:
     """Keys per step and warps for programs of ``block_m`` rows: one warpgroup, unless
     only two can hold a useful tile."""
@@ -418,6 +426,11 @@ def plan_tiles(
 ) -> TilePlan:
     """The tiles and splits of a step (``tile`` overrides the rule's tile)."""
     if batch_invariant:
+        if forced_splits:
+            raise ConfigError(
+                f"num_splits={forced_splits}: a batch-invariant plan splits every sequence "
+                f"into {BATCH_INVARIANT_KEYS_PER_SPLIT}-key ranges, not into a count"
+            )
         # nothing may depend on the batch: the layer's decode tile, fixed key ranges
         tile = tile or invariant_tile(layer)
         keys = max(tile.tile_n, BATCH_INVARIANT_KEYS_PER_SPLIT // tile.tile_n * tile.tile_n)

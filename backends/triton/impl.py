@@ -66,7 +66,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
     ) -> list[KernelLaunch]:
         """The launches of one forward (the KV write excluded), planned, not run."""
         md = metadata
-        if md.layer != self.layer:
+        if md.layer is not self.layer and md.layer != self.layer:
             raise UnsupportedError(
                 f"metadata: planned for {md.layer.describe()}, but this layer is "
                 f"{self.layer.describe()} (build it with a builder for this layer's spec)"
