@@ -59,21 +59,29 @@ for section in "$@"; do
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$SUMMARY"
       ;;
-    check)  # correctness, concurrently
+    check)  # correctness, concurrently (FlashInfer's too when it is installed)
       run gpu-tests $PY -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
-        tests/test_triton_kv_write.py tests/test_mla_gpu.py tests/test_mla_graph.py \
-        tests/test_pallas_gpu.py tests/test_split_kv.py -k "not sweep" &
+        tests/test_triton_kv_write.py tests/test_triton_batch_invariance.py \
+        tests/test_mla_gpu.py tests/test_mla_graph.py tests/test_pallas_gpu.py \
+        tests/test_split_kv.py -k "not sweep" &
       conform triton full &
+      conform "triton(batch_invariant=true)" quick &
       conform mla full &
       conform torch quick &
       conform pallas full &
+      if $PY -c "import flashinfer" 2>/dev/null; then
+        run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
+        conform flashinfer full &
+        conform "flashinfer(kv_layout=HND)" quick -k "graph or decode or mixed" &
+      fi
       wait
       ;;
-    check-flashinfer)
-      run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
-      conform flashinfer quick &
-      conform "flashinfer(kv_layout=HND)" quick -k "graph or decode or mixed" &
-      wait
+    convert-all)  # conversion between every ordered pair of the installed backends
+      backends=(--backend torch --backend triton --backend pallas --backend mla)
+      $PY -c "import flashinfer" 2>/dev/null && backends+=(--backend flashinfer --backend "flashinfer(kv_layout=HND)")
+      $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(--backend flash_attn)
+      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
+        --device cuda "${backends[@]}"
       ;;
     check-flash-attn)
       run flash-attn-tests $PY -m pytest -q -p no:cacheprovider tests/test_flash_attn_gpu.py &

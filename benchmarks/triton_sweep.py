@@ -23,6 +23,7 @@ templates with the layer's tensors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import json
@@ -34,15 +35,6 @@ from dataclasses import asdict, dataclass
 
 import pagedkv
 import torch
-from attention import (
-    DTYPES,
-    WORKLOADS,
-    Problem,
-    build_problem,
-    fill_cache,
-    measure_copy_bandwidth,
-    time_eager_us,
-)
 from pagedkv.backends.triton.configs import (
     BLOCK_M_CHOICES,
     TILE_N_CHOICES,
@@ -51,6 +43,11 @@ from pagedkv.backends.triton.configs import (
     TileConfig,
     choose_block_m,
 )
+from pagedkv.bench.problem import BenchProblem as Problem
+from pagedkv.bench.problem import build_problem as build_bench_problem
+from pagedkv.bench.problem import fill_cache
+from pagedkv.bench.timing import copy_bandwidth, time_us
+from pagedkv.bench.workloads import DTYPES, MATRICES
 
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -65,6 +62,21 @@ class Trial:
     tflops: float | None = None
     chosen: bool = False  # what the rule picks
     error: str = ""
+
+
+# the rows of `pagedkv bench --matrix standard`
+WORKLOADS = {w.name: w for w in MATRICES["standard"]}
+
+
+def build_problem(workload, *, device: str = "cuda", **layer) -> Problem:
+    """``workload`` with its layer changed where ``layer`` gives a value."""
+    changes = {k: v for k, v in layer.items() if v is not None}
+    layer_shape = dataclasses.replace(workload.layer, **changes)
+    return build_bench_problem(dataclasses.replace(workload, layer=layer_shape), device)
+
+
+def time_eager_us(fn) -> float:
+    return time_us(fn, torch.device("cuda"))
 
 
 class Bench:
@@ -157,9 +169,9 @@ def candidate_tiles(bench: Bench, quick: bool) -> list[TileConfig]:
 
 def candidate_splits(problem: Problem) -> list[int]:
     w = problem.workload
-    if w.kind != "decode":
+    if max(w.query_lens) != 1:
         return [1]
-    return [n for n in SPLITS if n == 1 or w.seq_len // n >= 256]
+    return [n for n in SPLITS if n == 1 or max(w.seq_lens) // n >= 256]
 
 
 def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
@@ -255,13 +267,14 @@ def plan_overhead(problems: dict[str, Problem]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--num-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--workloads", default=",".join(w.name for w in MATRICES["core"]))
+    # unset: each workload's own layer (pagedkv bench's matrix)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--head-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--quick", action="store_true", help="the rule's rows only, 2 stages")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--json", help="write every trial here")
@@ -278,17 +291,17 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    dtype = DTYPES[args.dtype]
+    dtype = args.dtype
     if args.plan_overhead:
         if device == "cpu":  # the CPU runs the kernels in Triton's interpreter
             os.environ.setdefault("TRITON_INTERPRET", "1")
-            dtype = torch.float16 if dtype == torch.bfloat16 else dtype
+            dtype = "fp16" if dtype in (None, "bf16") else dtype
         problems = {
             n: build_problem(WORKLOADS[n], dtype=dtype, device=device, **shape) for n in names
         }
         plan_overhead(problems)
         return
-    copy_bw = measure_copy_bandwidth("cuda")
+    copy_bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth (read+write): {copy_bw / 1e12:.3f} TB/s", flush=True)
     problems = {n: build_problem(WORKLOADS[n], dtype=dtype, **shape) for n in names}
     benches = {n: Bench(p) for n, p in problems.items()}
