@@ -500,9 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             extra["best"] = dict(best, num_splits=splits)
     else:
-        from attention import measure_copy_bandwidth  # the attention benchmark's measure
+        from pagedkv.bench.timing import copy_bandwidth  # the measure of pagedkv bench
 
-        copy_bw = measure_copy_bandwidth("cuda")
+        copy_bw = copy_bandwidth(torch.device("cuda"))
         extra["copy_bandwidth"] = copy_bw
         rows = []
         for shape in [custom] if custom else [HEADLINE, *MORE]:
