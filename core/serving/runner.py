@@ -1,0 +1,77 @@
+"""ModelRunner: one scheduled step through the model, eager or as a CUDA-graph replay.
+
+Worker side of a step, in order: drop the block-table rows of sequences that left,
+apply copy-on-write copies to every layer (before any K/V is written), build the
+step's metadata once per layer group, run the model, return the sampled rows' logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedkv.kv import StepAssembler
+from pagedkv.serving.config import EngineConfig
+from pagedkv.serving.errors import EngineConfigError
+from pagedkv.serving.graphs import DecodeGraphs, supports_decode_graphs
+from pagedkv.serving.inputs import build_step_inputs
+from pagedkv.serving.kv_cache import ModelKVCache
+from pagedkv.serving.model import PagedModel
+from pagedkv.serving.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: PagedModel, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.device = torch.device(config.device)
+        self.kv = ModelKVCache(
+            model.attention_layers(config.block_size),
+            config.resolved_num_blocks,
+            config.backend,
+            self.device,
+        )
+        self.assembler = StepAssembler(
+            config.block_size, config.max_num_seqs, config.max_model_len, self.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self._use_graphs():
+            self.graphs = DecodeGraphs(
+                model, self.kv, config.graph_batch_sizes, config.max_blocks_per_seq
+            )
+
+    def _use_graphs(self) -> bool:
+        wanted = self.config.cuda_graph
+        if wanted is False:
+            return False
+        why_not = []
+        if self.device.type != "cuda":
+            why_not.append(f"device {self.device.type} is not CUDA")
+        why_not += [
+            f"{g.backend!r} (layers {g.layer_ids[0]}..) has no decode CUDA-graph support"
+            for g in self.kv.groups
+            if not supports_decode_graphs(g.backend)
+        ]
+        if why_not and wanted:
+            raise EngineConfigError("cuda_graph=True, but " + "; ".join(why_not))
+        return not why_not
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns logits [S, vocab] of the sampled sequences, batch order."""
+        for seq_id in output.removed_seq_ids:
+            self.assembler.remove_request(seq_id)
+        if output.copies:
+            self.kv.copy_blocks(output.copies)
+            self.assembler.apply_copies(output.copies)
+        graph = None
+        if self.graphs is not None and output.is_pure_decode:
+            graph = self.graphs.bucket(len(output.scheduled))
+        num_tokens = graph.batch_size if graph is not None else None
+        common = self.assembler.build(output.kv_requests(), num_tokens)
+        inputs = build_step_inputs(output.scheduled, self.device, num_tokens)
+        with torch.inference_mode():
+            if graph is not None:
+                assert self.graphs is not None
+                return self.graphs.replay(graph, common, inputs)
+            attention = self.kv.build(common)
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.logits_indices, attention
+            )
