@@ -54,6 +54,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="Write PATH.json and PATH.md: the backend x scenario matrix with max errors.",
     )
+    group.addoption(
+        "--conformance-models",
+        dest="pagedkv_models",
+        action="store_true",
+        default=False,
+        help="Also serve tiny random-weight Hugging Face models through each backend and "
+        "compare with transformers (conformance/test_models.py; needs pagedkv[models]).",
+    )
     _add(
         group,
         ("--device", "--conformance-device"),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pagedkv
 
-SUBCOMMANDS = ["backends", "demo", "capacity", "simulate", "conform"]
+SUBCOMMANDS = ["backends", "demo", "generate", "capacity", "simulate", "conform"]
 
 
 def build_parser() -> argparse.ArgumentParser:

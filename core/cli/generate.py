@@ -1,0 +1,274 @@
+"""``pagedkv generate``: a Hugging Face model served through a pagedkv backend.
+
+By default a built-in tiny model (random weights, no download) on the CPU through
+the torch backend; ``--model`` also takes a local model directory (its tokenizer
+and weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagedkv.errors import PagedKVError
+
+DEFAULT_MODEL = "tiny-llama"
+SYSTEM_PROMPT = "You are a paged KV cache. Blocks are pages, block tables are page tables. "
+DEFAULT_PROMPTS = (
+    SYSTEM_PROMPT + "What does a block table map?",
+    SYSTEM_PROMPT + "Why do requests share their prefix blocks?",
+    "Copy-on-write lets parallel samples",
+)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROGRESS_EVERY_S = 2.0
+
+
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float, *, low_open: bool = False) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = value <= low if low_open else value < low
+        if below or value > high or value != value:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"expected a number in {bracket}{low:g}, {high:g}], got {text}"
+            )
+        return value
+
+    return parse
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "generate",
+        help="Generate text with a Hugging Face model served through a pagedkv backend.",
+        description=(
+            "Serve prompts through pagedkv's engine (scheduler, paged KV cache, prefix "
+            "caching, parallel sampling) on a backend, and print the tokens, the speed, "
+            "the KV blocks used and the prefix-cache hit rate. Default: a built-in tiny "
+            "model with random weights, so the text is noise; the machinery is real."
+        ),
+    )
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="Prompts (default: three).")
+    parser.add_argument("--prompts-file", help="A file with one prompt per line.")
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="Prompts are token ids (comma- or space-separated), not text.",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"A built-in tiny model (default {DEFAULT_MODEL}; see --list-models) or a local "
+        "Hugging Face model directory.",
+    )
+    parser.add_argument("--list-models", action="store_true", help="List the built-in models.")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="Backend config string, e.g. 'triton,torch' (default: $PAGEDKV_BACKEND, else "
+        "torch on a CPU and auto on a GPU).",
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present).")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="Model dtype (default: float32 on CPU, else bf16)."
+    )
+    parser.add_argument(
+        "--seed",
+        type=_int_at_least(0),
+        default=0,
+        help="Sampling seed; also the random weights' seed.",
+    )
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--n", type=_int_at_least(1), default=1, help="Samples per prompt.")
+    sampling.add_argument(
+        "--max-tokens", type=_int_at_least(1), default=24, help="Tokens per sample (default 24)."
+    )
+    sampling.add_argument(
+        "--temperature",
+        type=_float_in(0.0, 100.0),
+        default=0.0,
+        help="0 = greedy (default).",
+    )
+    sampling.add_argument(
+        "--top-k", type=_int_at_least(0), default=0, help="Keep the k likeliest tokens (0 = all)."
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=_float_in(0.0, 1.0, low_open=True),
+        default=1.0,
+        help="Keep the likeliest tokens up to this probability mass (1 = all).",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--block-size", type=_int_at_least(1), default=16)
+    engine.add_argument(
+        "--num-blocks", type=_int_at_least(2), default=None, help="KV blocks per layer."
+    )
+    engine.add_argument("--max-model-len", type=_int_at_least(2), default=512)
+    engine.add_argument("--max-num-seqs", type=_int_at_least(1), default=32)
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_at_least(1),
+        default=256,
+        help="Token budget of one step (longer prompts are chunked).",
+    )
+    engine.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Replay decode steps as CUDA graphs (default: when the device and backend allow).",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.models import builtin_names
+
+    if args.list_models:
+        print("\n".join(builtin_names()))
+        return 0
+    try:
+        setup = _setup(args)
+    except PagedKVError as exc:
+        print(f"pagedkv: error: {exc}", file=sys.stderr)
+        return 2
+    return _generate(args, *setup)
+
+
+def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
+    from pagedkv.models import ByteTokenizer, builtin_names, load_model, load_tokenizer
+    from pagedkv.selection import CONFIG_ENV
+    from pagedkv.serving import Engine, EngineConfig, RequestError, SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        raise RequestError(f"--device {device!r}: not a torch device") from None
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype
+        else (torch.float32 if device_type == "cpu" else torch.bfloat16)
+    )
+    texts = list(args.prompts)
+    if args.prompts_file:
+        try:
+            lines = Path(args.prompts_file).read_text().splitlines()
+        except OSError as exc:
+            raise RequestError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
+        texts += [line for line in lines if line.strip()]
+    if not texts:
+        texts = list(DEFAULT_PROMPTS)
+    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
+    builtin = args.model in builtin_names()
+    tokenizer = ByteTokenizer() if builtin else None
+    if not builtin and not args.token_ids:
+        tokenizer = load_tokenizer(args.model)
+    prompts = [_token_ids(t) if args.token_ids else tokenizer.encode(t) for t in texts]
+    backend = (
+        args.backend or os.environ.get(CONFIG_ENV) or ("torch" if device_type == "cpu" else "auto")
+    )
+    config = EngineConfig(
+        backend=backend,
+        device=device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graph=args.cuda_graph,
+    )
+    engine = Engine(model, config)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + i * args.n,  # samples of every prompt draw their own streams
+        )
+        engine.add_request(f"prompt{i}", prompt, params)
+    header = [
+        f"model {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers"
+        + (f", random weights seed {args.seed}" if builtin else "")
+        + f") on {device}, {str(dtype).removeprefix('torch.')}",
+        *(f"  {line}" for line in engine.runner.kv.describe()),
+        f"engine: {config.block_size}-token blocks, {config.resolved_num_blocks - 1} usable "
+        f"per layer, {config.max_num_batched_tokens} tokens per step, cuda graphs "
+        + ("on" if engine.runner.graphs else "off"),
+    ]
+    return engine, texts, tokenizer, header
+
+
+def _token_ids(text: str) -> list[int]:
+    from pagedkv.serving import RequestError
+
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise RequestError(f"--token-ids: {text!r} is not a list of integers") from None
+
+
+def _generate(
+    args: argparse.Namespace, engine: Any, texts: list[str], tokenizer: Any, header: list[str]
+) -> int:
+    print("\n".join(header))
+    last_report = time.perf_counter()
+    outputs: dict[str, Any] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if time.perf_counter() - last_report > PROGRESS_EVERY_S:
+            last_report = time.perf_counter()
+            s = engine.scheduler
+            print(
+                f"  ... step {s.stats.num_steps}: {len(s.running)} running, {len(s.waiting)} "
+                f"waiting, {s.stats.num_generated_tokens} tokens",
+                file=sys.stderr,
+                flush=True,
+            )
+    elapsed = time.perf_counter() - start
+    for i, text in enumerate(texts):
+        out = outputs[f"prompt{i}"]
+        print(f"\nprompt {i}: {text!r} ({len(out.prompt_token_ids)} tokens)")
+        for sample in out.samples:
+            shown = tokenizer.decode(sample.token_ids) if tokenizer else ""
+            print(f"  sample {sample.index} [{sample.finish_reason}] {sample.token_ids}")
+            if shown:
+                print(f"    {shown!r}")
+    stats = engine.stats
+    s = stats.scheduler
+    print(
+        f"\n{s.num_generated_tokens} tokens in {s.num_steps} steps, {elapsed:.2f} s: "
+        f"{s.num_generated_tokens / elapsed:.1f} tokens/s"
+    )
+    print(
+        f"KV blocks: peak {s.max_blocks_in_use} of {stats.num_blocks} in use; prefix-cache "
+        f"hit rate {stats.prefix_hit_rate:.0%}; {s.num_forks} forks, {s.num_block_copies} "
+        f"copy-on-write block copies, {s.num_preemptions} preemptions"
+    )
+    return 0
