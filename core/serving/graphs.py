@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.model, self.kv = model, kv
         self.max_blocks = max_blocks_per_seq
         self.graphs: dict[int, DecodeGraph] = {}
+        self.num_replays = 0
         pool = None
         try:
             for size in sorted(batch_sizes, reverse=True):  # largest first: smaller reuse its pool
@@ -132,4 +133,5 @@ class DecodeGraphs:
         graph.input_ids.copy_(inputs.input_ids, non_blocking=True)
         graph.positions.copy_(inputs.positions, non_blocking=True)
         graph.graph.replay()
+        self.num_replays += 1
         return graph.logits[inputs.logits_indices]

@@ -215,10 +215,10 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Waiting sequences in order while the budget, rows and blocks allow."""
         max_seqs = self.config.max_num_seqs
+        rows_taken = sum(_rows(seq) for seq in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            rows = seq.params.n if seq.fork_pending else 1  # its samples will need rows
-            if len(self.running) + rows > max_seqs:
+            if rows_taken + _rows(seq) > max_seqs:
                 break
             request = seq.request
             hits, num_hit = self.manager.get_computed_blocks(request)
@@ -236,6 +236,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._schedule_seq(seq, num_hit, num_new, new_blocks))
             budget -= num_new
+            rows_taken += _rows(seq)
         return budget
 
     def _schedule_seq(
@@ -342,3 +343,8 @@ class Scheduler:
     def _new_seq_id(self) -> str:
         self._next_seq += 1
         return f"seq{self._next_seq}"
+
+
+def _rows(seq: Sequence) -> int:
+    """Block-table rows a sequence takes, or will once its samples fork from it."""
+    return seq.params.n if seq.fork_pending else 1
