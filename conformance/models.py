@@ -34,14 +34,17 @@ from pagedkv.conformance.check import Tolerance
 MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gpt-oss", "tiny-deepseek-v3")
 
 # On the logits (magnitude ~3) of the whole model, pagedkv's attention against HF's
-# eager attention, both in the model dtype. float32: the two differ by summation
-# order only, measured <= 3e-6 on the CPU backends; 1e-4 leaves ~30x headroom, while a
-# dropped window, soft cap or sink, or a scale 5% off, moves logits by 0.04 to 2
-# (tests/test_models_conformance.py breaks each on purpose). 16-bit: docs/serving.md.
+# eager attention, both in the model dtype (docs/serving.md). float32: the two differ
+# by summation order only, measured <= 3e-6 on the CPU backends; 1e-4 leaves ~30x
+# headroom, while a dropped window, soft cap or sink, or a scale 5% off, moves logits
+# by 0.04 to 2 (tests/test_models_conformance.py breaks each on purpose). 16-bit:
+# measured on the CPU (torch backend; mla in fp16), seeds 0-2, at most 0.006 (fp16) and
+# 0.043 (bf16, 2-3 units in the last place of a logit near 3); the tolerances leave
+# ~4x of that.
 MODEL_TOLERANCES = {
     torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
-    torch.float16: Tolerance(atol=3e-2, rtol=1e-2),
-    torch.bfloat16: Tolerance(atol=1.5e-1, rtol=5e-2),
+    torch.float16: Tolerance(atol=2e-2, rtol=5e-3),
+    torch.bfloat16: Tolerance(atol=1e-1, rtol=2e-2),
 }
 
 BLOCK_SIZE = 16  # the smallest every CPU-runnable backend takes (Triton, MLA: multiples of 16)

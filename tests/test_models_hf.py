@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -75,3 +78,13 @@ def test_llama_decode_graphs_equal_eager():
             )
             if x != y:  # a bf16 near tie: later steps see different tokens
                 break
+
+
+def test_docs_example_runs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/serving.md", "exec"), namespace)
+    samples = namespace["outputs"][0].samples
+    assert len(samples) == 2 and all(len(s.token_ids) == 16 for s in samples)
+    assert namespace["engine"].stats.prefix_hit_rate > 0  # the two prompts share a block
