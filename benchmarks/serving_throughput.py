@@ -201,9 +201,9 @@ def attention_share(
     engine = Engine(model, engine_config(args, device, work, cuda_graph=False))
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=n))
-    while engine.has_unfinished() and engine.scheduler.waiting:
-        engine.step()  # prefill everything first
-    engine.step()
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
+        engine.step()  # every prompt computed: the timed steps are pure decodes
     step_s, attn_s = [], []
     for _ in range(args.profile_steps):
         if not engine.has_unfinished():
