@@ -32,9 +32,15 @@ test: $(STAMP) lint test-unit test-conformance
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The plugin template is installed as a distribution, as a backend author would (into a
+# directory of its own, so the environment's unit tests never see it).
 test-conformance: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
-		--backend torch --backend triton --backend pallas --backend mla --conformance-models
+	rm -rf build/plugin-template
+	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/plugin-template \
+		./examples/plugin_template
+	PYTHONPATH=build/plugin-template TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
+		--backend torch --backend triton --backend pallas --backend mla --backend my_backend \
+		--conformance-models
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -31,7 +31,7 @@ from typing import Any
 import pagedkv
 import torch
 from pagedkv import AttentionSpec, CommonAttentionMetadata
-from pagedkv.kv_write import quantize_for_cache
+from pagedkv.toolkit.kv_write import quantize_for_cache
 
 
 @dataclass(frozen=True)

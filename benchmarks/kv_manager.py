@@ -82,7 +82,8 @@ def bench_prefix_lookup(repeat: int, rows: list[list[str]]) -> None:
     for algo in algos:
         manager = KVCacheManager(4096, 16, 32 * 1024 + 16, hash_algo=algo)
         first = Request("warm", tokens)
-        assert manager.allocate_slots(first, len(tokens)) is not None  # caches 2048 blocks
+        assert manager.allocate_slots(first, len(tokens)) is not None
+        manager.mark_computed(first, len(tokens))  # caches 2048 blocks
 
         def lookup_cold(manager: KVCacheManager = manager) -> int:
             # hashing 2048 blocks + 2047 hash-map hits
@@ -122,20 +123,20 @@ def bench_decode_step(repeat: int, rows: list[list[str]]) -> None:
     reqs = [Request(f"r{i}", list(range(i, i + 1000))) for i in range(256)]
     for r in reqs:
         assert manager.allocate_slots(r, r.num_tokens) is not None
-        r.num_computed_tokens = r.num_tokens
+        manager.mark_computed(r, r.num_tokens)
 
-    def one_step() -> int:  # 256 requests x 16 decode tokens, one allocate_slots each
+    def one_step() -> int:  # 256 requests x 16 decode tokens: allocate, then mark computed
         for _ in range(16):
             for r in reqs:
                 r.append_output_token_ids(7)
                 manager.allocate_slots(r, 1)
-                r.num_computed_tokens += 1
+                manager.mark_computed(r, 1)
         return 16 * len(reqs)
 
     secs, ops = best_of(repeat, one_step)
     rows.append(
         [
-            "allocate_slots (decode, caching)",
+            "allocate_slots + mark_computed",
             f"{ops:,} calls",
             f"{secs * 1e6 / ops:.2f} us/call",
             f"{ops / secs:,.0f}",

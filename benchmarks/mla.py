@@ -3,7 +3,11 @@
 Both run in this process on the same latent cache, block table and absorbed query,
 timed with ``triton.testing.do_bench`` (median, L2 flushed between runs), and both are
 checked against a float32 reference. The headline shape is DeepSeek's decode: 128
-heads, latent 512 + 64, page 64, bf16, 64 requests x 4096 tokens.
+heads, latent 512 + 64, page 64, bf16, 64 requests x 4096 tokens. Ours is timed three
+ways: eager ``forward_mla`` (metadata built once), its planned kernel launches alone
+(``launches``), and replayed from a CUDA graph through the contract's graph path
+(``graph``: ``reserve_cuda_graph`` with the shape as bounds, build, capture one
+``forward_mla``, replay).
 
     python benchmarks/mla.py                 # headline + a few decode shapes
     python benchmarks/mla.py --sweep         # tile/warps/stages/splits variants, one table
@@ -104,9 +108,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 # -- ours ----------------------------------------------------------------------------------
 
 
-def ours(p: Problem, options: dict | None = None):
-    """(callable running one decode step, metadata, impl) through the public backend path:
-    metadata is built once (FlashInfer's plan), the callable only launches kernels."""
+def _step(p: Problem, options: dict | None):
+    """(backend, spec, the decode step) of the problem through the public API."""
     import pagedkv
     from pagedkv.backends.mla import MLABackend
 
@@ -121,7 +124,6 @@ def ours(p: Problem, options: dict | None = None):
         kv_lora_rank=LORA,
         qk_rope_head_dim=ROPE,
     )
-    backend = MLABackend(**(options or {}))
     common = pagedkv.CommonAttentionMetadata.from_requests(
         [s.context] * s.batch,
         [1] * s.batch,
@@ -129,10 +131,17 @@ def ours(p: Problem, options: dict | None = None):
         s.page,
         "cuda",
     )
+    return MLABackend(**(options or {})), spec, common
+
+
+def ours(p: Problem, options: dict | None = None):
+    """(callable running one decode step, metadata, impl) through the public backend path:
+    metadata is built once (FlashInfer's plan), the callable only launches kernels."""
+    backend, spec, common = _step(p, options)
     metadata = backend.make_builder(spec, "cuda").build(common)
     impl = backend.make_impl(spec)
     q_nope, q_pe = p.query[..., :LORA], p.query[..., LORA:]
-    out = torch.empty(s.batch, s.heads, LORA, dtype=p.query.dtype, device="cuda")
+    out = torch.empty(p.shape.batch, p.shape.heads, LORA, dtype=p.query.dtype, device="cuda")
 
     def run():
         return impl.forward_mla(q_nope, q_pe, None, None, p.cache, metadata, out)
@@ -140,13 +149,53 @@ def ours(p: Problem, options: dict | None = None):
     return run, metadata, impl
 
 
+def graphed(p: Problem, options: dict | None = None):
+    """(callable replaying one decode step from a CUDA graph, metadata) through the
+    contract's graph path: the shape reserved as bounds, the step built into the
+    persistent buffers, one ``forward_mla`` captured."""
+    import pagedkv
+
+    backend, spec, common = _step(p, options)
+    builder = backend.make_builder(spec, "cuda")
+    builder.reserve_cuda_graph(
+        pagedkv.GraphBounds(
+            max_num_reqs=p.shape.batch,
+            max_num_tokens=p.shape.batch,
+            max_blocks_per_req=p.block_table.shape[1],
+        )
+    )
+    metadata = builder.build(common)
+    impl = backend.make_impl(spec)
+    q_nope, q_pe = p.query[..., :LORA], p.query[..., LORA:]
+    out = torch.empty(p.shape.batch, p.shape.heads, LORA, dtype=p.query.dtype, device="cuda")
+
+    def forward():
+        impl.forward_mla(q_nope, q_pe, None, None, p.cache, metadata, out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+
+    def run():
+        graph.replay()
+        return out
+
+    return run, metadata
+
+
 def compiled_stats(p: Problem, options: dict) -> str:
     """Registers / spills of the attention kernel for these options."""
-    from pagedkv.backends.mla.kernels import launch
+    from pagedkv.toolkit.launch import run_launches
 
     _, md, impl = ours(p, options)
     out = torch.empty(p.shape.batch, p.shape.heads, LORA, dtype=p.query.dtype, device="cuda")
-    handle = launch(impl.plan_attention(p.query[..., :LORA], p.query[..., LORA:], p.cache, md, out))
+    q = p.query
+    handle = run_launches(impl.plan_attention(q[..., :LORA], q[..., LORA:], p.cache, md, out))
     try:
         return f"{handle.n_regs} regs, {handle.n_spills} spills"
     except AttributeError:
@@ -248,42 +297,39 @@ def compare(shape: Shape, options: dict | None = None) -> list[Row]:
         variants.append({"use_gluon": False})
     for opts in variants:
         run, md, impl = ours(p, opts)
-        kernel = "gluon" if uses_gluon(p, md) else "triton"
+        kernel = md.plan.kind
+        kernel = "gluon" if kernel == "gluon" else f"triton {kernel}"
         note = f"{md.config} splits={md.num_splits}"
         rows.append(measure(f"pagedkv mla ({kernel})", shape, run, ref, note))
         # the same kernels without forward_mla's Python: launches planned once, so a
         # kernel shorter than that Python is timed as a kernel, not as the host
         rows.append(measure(f"pagedkv mla ({kernel}, launches)", shape, launches_only(p, md, impl), ref, note))  # fmt: skip
-        for row in rows[-2:]:
+        replay, graph_md = graphed(p, opts)
+        graph_note = f"{graph_md.config} splits={graph_md.num_splits}"
+        rows.append(measure(f"pagedkv mla ({kernel}, graph)", shape, replay, ref, graph_note))
+        for row in rows[-3:]:
             if fi is not None:
                 row.vs_flashinfer = rows[0].us / row.us
             else:
                 row.note += f" ({why})"
-        if kernel == "triton":
+        if md.plan.kind != "gluon":
             break  # the default already was the Triton kernel
     return rows
 
 
 def launches_only(p: Problem, md, impl):
     """A callable replaying the attention's planned kernel launches (no write)."""
-    from pagedkv.backends.mla.kernels import launch
+    from pagedkv.toolkit.launch import run_launches
 
     s = p.shape
     out = torch.empty(s.batch, s.heads, LORA, dtype=p.query.dtype, device="cuda")
     planned = impl.plan_attention(p.query[..., :LORA], p.query[..., LORA:], p.cache, md, out)
 
     def run():
-        launch(planned)
+        run_launches(planned)
         return out
 
     return run
-
-
-def uses_gluon(p: Problem, md) -> bool:
-    from pagedkv.backends.mla.kernels import gluon_applies
-
-    q = p.query
-    return gluon_applies(q[..., :LORA], q[..., LORA:], p.cache, md.config, md.kv_per_split)
 
 
 # -- sweep -------------------------------------------------------------------------------

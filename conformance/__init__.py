@@ -55,8 +55,15 @@ __all__ = [
 ]
 
 
-def reproduce(backend: str, scenario: Scenario, device: str | None = None) -> ScenarioResult:
-    """Run one scenario against a registered backend and print the verdict."""
+def reproduce(
+    backend: str, scenario: Scenario, device: str | None = None, *, quiet: bool = False
+) -> ScenarioResult:
+    """Run one scenario against a registered backend and print the verdict (unless
+    ``quiet``). The result keeps the problem for a debugger: ``result.debug.problem``
+    holds the query [T, Hq, D], new_key, new_value, each request's keys and values,
+    block_ids, the common metadata and the sinks; ``result.debug.kv_cache``,
+    ``.metadata``, ``.output`` ([T, Hq, Dv], spec.dtype) and ``.reference`` (float64
+    [num_actual_tokens, Hq, Dv]) are the rest."""
     import torch
     from pagedkv.conformance.check import run_scenario
     from pagedkv.registry import get_registry
@@ -65,6 +72,7 @@ def reproduce(backend: str, scenario: Scenario, device: str | None = None) -> Sc
     choice = parse_config(backend)[0]
     impl = get_registry().create(choice.name, **choice.options)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run_scenario(impl, scenario, device, backend_label=backend)
-    print(result.report())
+    result = run_scenario(impl, scenario, device, backend_label=backend, keep=True)
+    if not quiet:
+        print(result.report())
     return result

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.conformance.failure import Failure, describe_exception
 from pagedkv.conformance.problem import GARBAGE, PAD_VALUE, PagedProblem
-from pagedkv.kv_write import dequantize_from_cache, quantize_for_cache
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import dequantize_from_cache, quantize_for_cache
 
 # Unreferenced blocks are checked this many at a time, on the cache's device, so
 # a pool of more than 32k blocks is never copied to the host whole.
 _BLOCKS_PER_CHUNK = 4096
 
 
-def cache_problems(logical: tuple[torch.Tensor, torch.Tensor], problem: PagedProblem) -> list[str]:
+def cache_problems(
+    logical: tuple[torch.Tensor, torch.Tensor], problem: PagedProblem
+) -> list[Failure]:
     """Why the cache, read through its logical K/V views, does not hold exactly the
     written K/V at their slots with everything else unchanged (empty: it does)."""
-    failures: list[str] = []
+    failures: list[Failure] = []
     spec = problem.spec
     k_view, v_view = logical
     views = [("K", k_view, problem.keys, spec.k_scale)]
@@ -33,9 +36,16 @@ def cache_problems(logical: tuple[torch.Tensor, torch.Tensor], problem: PagedPro
         wants = [quantize_for_cache(full, view.dtype, scale) for full in rows]
         for req, ids in enumerate(problem.block_ids):
             if ids:
-                text = _request_cache_problem(req, ids, stored, wants, scale, spec.block_size)
-                if text:
-                    failures.append(f"cache {label} of request {req}, {text}")
+                found = _request_cache_problem(req, ids, stored, wants, scale, spec.block_size)
+                if found:
+                    text, fields = found
+                    failures.append(
+                        Failure(
+                            "cache",
+                            f"cache {label} of request {req}, {text}",
+                            {"tensor": label, "request": req, **fields},
+                        )
+                    )
                     break
         block = _first_written_unreferenced(view, referenced)
         if block is not None:
@@ -45,7 +55,11 @@ def cache_problems(logical: tuple[torch.Tensor, torch.Tensor], problem: PagedPro
                 else f"block {block}, which no request references,"
             )
             failures.append(
-                f"cache {label}: {what} was written (e.g. a -1 padding slot or a wrong slot)"
+                Failure(
+                    "cache",
+                    f"cache {label}: {what} was written (e.g. a -1 padding slot or a wrong slot)",
+                    {"tensor": label, "unreferenced_block": block},
+                )
             )
     return failures
 
@@ -63,8 +77,9 @@ def _request_cache_problem(
     wants: list[torch.Tensor],
     scale: float,
     block_size: int,
-) -> str | None:
-    """Why request ``req``'s blocks do not hold its K (or V) rows then poison, or None."""
+) -> tuple[str, dict[str, object]] | None:
+    """Why request ``req``'s blocks do not hold its K (or V) rows then poison (and the
+    facts as fields), or None."""
     mine, want = stored[req], wants[req]
     seq_len = want.shape[0]
     wrong = ~_matches(mine[:seq_len], want, scale).flatten(1).all(dim=1)
@@ -78,10 +93,9 @@ def _request_cache_problem(
             return None
         pos = seq_len + int(torch.nonzero(changed)[0, 0])
         what = "is past the sequence end but was overwritten"
-    text = (
-        f"position {pos} (block {ids[pos // block_size]}, offset {pos % block_size}): {what}; "
-        f"it {_what_it_holds(mine[pos], req, wants, scale)}"
-    )
+    holds = _what_it_holds(mine[pos], req, wants, scale)
+    block, offset = ids[pos // block_size], pos % block_size
+    text = f"position {pos} (block {block}, offset {offset}): {what}; it {holds}"
     shift = _shift_of(stored, wants, scale, block_size)
     if shift:
         text += (
@@ -89,7 +103,15 @@ def _request_cache_problem(
             f"{'after' if shift > 0 else 'before'} its position (the slot is computed off by "
             f"{shift:+d})"
         )
-    return text
+    fields = {
+        "seq_len": seq_len,
+        "position": pos,
+        "block": block,
+        "offset": offset,
+        "holds": holds,
+        "slot_shift": shift or None,
+    }
+    return text, fields
 
 
 def _what_it_holds(row: torch.Tensor, req: int, wants: list[torch.Tensor], scale: float) -> str:
@@ -181,7 +203,8 @@ def check_copy_blocks(
     """``copy_blocks`` copies exactly the named blocks, sources read before any write.
 
     Block 4 is both a destination and a source, so an implementation that copies
-    in place one pair at a time is caught.
+    in place one pair at a time is caught. When the result is what copying along
+    another axis of the cache tensor gives, the last line says which axis.
     """
     num_blocks, src, dst = 8, [1, 4, 6], [4, 5, 2]
     kv_cache = backend.allocate_kv_cache(num_blocks, spec, device)
@@ -192,9 +215,13 @@ def check_copy_blocks(
         data = torch.randn(view.shape, generator=gen)
         view.copy_(quantize_for_cache(data, view.dtype, 1.0).to(view.device))
     before = [_bits(v).cpu().clone() for v in views[: len(names)]]
-    backend.copy_blocks(
-        kv_cache, torch.tensor(src, device=device), torch.tensor(dst, device=device)
-    )
+    raw_before = kv_cache.clone()
+    try:
+        backend.copy_blocks(
+            kv_cache, torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        )
+    except Exception as exc:
+        return [f"copy_blocks(src={src}, dst={dst}) raised {describe_exception(exc)}"]
     after = [_bits(v).cpu() for v in backend.kv_cache_to_logical(kv_cache, spec)[: len(names)]]
     problems = []
     source_of = dict(zip(dst, src, strict=True))
@@ -211,4 +238,36 @@ def check_copy_blocks(
                         else "changed although it was not a destination"
                     )
                 )
+    if problems:
+        problems += _copy_axis_hint(raw_before, kv_cache, views[0], src, dst)
     return problems
+
+
+def _copy_axis_hint(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    logical: torch.Tensor,
+    src: list[int],
+    dst: list[int],
+) -> list[str]:
+    """A hint when ``after`` is exactly ``before`` copied src -> dst along an axis of
+    the cache tensor that does not index blocks."""
+    blocks = [a for a in range(before.dim()) if _is_block_axis(before, logical, a)]
+    for axis in range(before.dim()):
+        if axis in blocks or before.shape[axis] <= max(src + dst):
+            continue
+        bits, index = _bits(before), torch.tensor(dst, device=before.device)
+        moved = bits.index_copy(axis, index, bits.index_select(axis, index.new_tensor(src)))
+        if torch.equal(moved, _bits(after)):
+            where = f"axis {blocks[0]}" if blocks else "another axis"
+            return [
+                f"hint: the cache equals the copy along axis {axis} of the kv_cache tensor "
+                f"(shape {tuple(before.shape)}): copy_blocks indexes axis {axis}, but blocks are "
+                f"on {where} (AttentionBackend.block_axis)"
+            ]
+    return []
+
+
+def _is_block_axis(raw: torch.Tensor, logical: torch.Tensor, axis: int) -> bool:
+    """Whether ``axis`` of ``raw`` steps from block to block of its logical K view."""
+    return raw.shape[axis] == logical.shape[0] and raw.stride(axis) == logical.stride(0)

@@ -8,11 +8,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.capabilities import dtype_name
 from pagedkv.conformance.cache import cache_problems
+from pagedkv.conformance.diagnose import output_hints
+from pagedkv.conformance.failure import Failure, describe_exception
 from pagedkv.conformance.problem import (
     PagedProblem,
     build_problem,
@@ -40,16 +43,33 @@ TOLERANCES = {
 
 
 @dataclass
+class Debug:
+    """What one scenario ran, kept for a debugger (``reproduce(...)`` fills it)."""
+
+    # scenario, spec, block_ids, per-request keys/values, query [T, Hq, D], new_key,
+    # new_value, common and context metadata, sinks
+    problem: PagedProblem
+    kv_cache: torch.Tensor | None = None  # the backend's cache after forward
+    metadata: Any = None  # the backend's metadata of the step
+    output: torch.Tensor | None = None  # forward's [T, Hq, Dv] in spec.dtype
+    reference: torch.Tensor | None = None  # float64 [num_actual_tokens, Hq, Dv]
+
+
+@dataclass
 class ScenarioResult:
     backend: str
     scenario: Scenario
     max_abs_error: float = math.nan
     max_rel_error: float = math.nan
-    failures: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    # what the failing requests and heads have in common, and which plausible bug the
+    # output matches (conformance/diagnose.py)
+    hints: list[str] = field(default_factory=list)
     output: torch.Tensor | None = None  # [num_actual_tokens, Hq, Dv] float64 (MLA: up-projected)
     device: str = "cpu"
     duration_s: float = 0.0
     error: str | None = None  # the traceback when a backend call raised
+    debug: Debug | None = None
 
     @property
     def passed(self) -> bool:
@@ -63,7 +83,8 @@ class ScenarioResult:
             head,
             f"  max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}",
         ]
-        lines += [f"  - {f}" for f in self.failures]
+        lines += [f"  - {f.message}" for f in self.failures]
+        lines += [f"  hint: {h}" for h in self.hints]
         if not self.passed:
             lines.append(f"  reproduce: {self.reproduction()}")
         if self.error:
@@ -87,9 +108,9 @@ def _call(result: ScenarioResult, stage: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except Exception as exc:
-        frames = traceback.extract_tb(exc.__traceback__)
-        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-        result.failures.append(f"{stage} raised {type(exc).__name__}: {exc}{where}")
+        result.failures.append(
+            Failure("raised", f"{stage} raised {describe_exception(exc)}", {"call": stage})
+        )
         result.error = "".join(traceback.format_exception(exc)[-6:])
         raise _BackendRaised from exc
 
@@ -100,14 +121,18 @@ def run_scenario(
     device: torch.device | str = "cpu",
     *,
     backend_label: str | None = None,
+    keep: bool = False,
 ) -> ScenarioResult:
     """Build, write, attend and check one scenario. Never raises for a backend bug:
     every problem (an exception from a backend call included) becomes a line in
-    ``failures``."""
+    ``failures``. With ``keep``, ``result.debug`` holds the problem, the cache, the
+    metadata, the output and the reference, for a debugger."""
     result = ScenarioResult(backend_label or repr(backend), scenario, device=str(device))
     start = time.perf_counter()
     problem = build_problem(scenario, device)
     problem.common.validate(problem.num_blocks)
+    if keep:
+        result.debug = Debug(problem)
     with contextlib.suppress(_BackendRaised):  # already recorded as a failure
         _run(result, backend, problem, device)
     result.duration_s = time.perf_counter() - start
@@ -133,9 +158,16 @@ def _run(
             problem.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
         ),
     )
+    if result.debug is not None:
+        result.debug.kv_cache = kv_cache
     if tuple(kv_cache.shape) != tuple(expected_shape):
         result.failures.append(
-            f"allocate_kv_cache shape {tuple(kv_cache.shape)} != get_kv_cache_shape {expected_shape}"
+            Failure(
+                "kv-cache-shape",
+                f"allocate_kv_cache shape {tuple(kv_cache.shape)} != get_kv_cache_shape "
+                f"{tuple(expected_shape)}",
+                {"got": list(kv_cache.shape), "expected": list(expected_shape)},
+            )
         )
         return
     _call(result, "kv_cache_to_logical", lambda: poison_cache(backend, kv_cache, problem))
@@ -160,6 +192,8 @@ def _run(
     )
     if torch.device(device).type == "cuda":
         _call(result, "forward (kernel)", lambda: torch.cuda.synchronize(device))
+    if result.debug is not None:
+        result.debug.metadata, result.debug.output = metadata, output
 
     _check_output(result, problem, output)
     views = _call(
@@ -194,15 +228,29 @@ def _check_output(result: ScenarioResult, problem: PagedProblem, output: torch.T
     want_shape = (problem.common.num_tokens, spec.num_heads, spec.head_size_v)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != want_shape:
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        result.failures.append(f"output shape {got}, expected {want_shape}")
+        result.failures.append(
+            Failure(
+                "output-shape",
+                f"output shape {got}, expected {want_shape}",
+                {"got": str(got), "expected": list(want_shape)},
+            )
+        )
         return
     if output.dtype != spec.dtype:
-        result.failures.append(f"output dtype {output.dtype}, expected {spec.dtype}")
+        result.failures.append(
+            Failure(
+                "output-dtype",
+                f"output dtype {output.dtype}, expected {spec.dtype}",
+                {"got": dtype_name(output.dtype), "expected": dtype_name(spec.dtype)},
+            )
+        )
     actual = output[:n].double().cpu()
     if scenario.is_mla:
         actual = torch.einsum("thl,lhv->thv", actual, problem.mla_weights["w_uv"].double())
     result.output = actual
     expected = reference_output(problem)
+    if result.debug is not None:
+        result.debug.reference = expected
     tol = TOLERANCES[spec.dtype]
     finite = torch.isfinite(actual)
     err = (actual - expected).abs().masked_fill(~finite, math.inf)
@@ -215,12 +263,22 @@ def _check_output(result: ScenarioResult, problem: PagedProblem, output: torch.T
     if not finite.all():
         token, head = torch.nonzero(~finite)[0, :2].tolist()
         bad_tokens = (~finite).flatten(1).any(dim=1)
+        requests = _requests_of(scenario, bad_tokens)
         result.failures.append(
-            f"non-finite output at {locate(scenario, token, head)}; "
-            f"{int(bad_tokens.sum())} of {n} tokens have non-finite values, in requests "
-            f"{_requests_of(scenario, bad_tokens)}. Every block no request references (the "
-            "null block 0 included) holds NaN, so the kernel read a block the request's "
-            "table does not name, or produced NaN itself"
+            Failure(
+                "non-finite-output",
+                f"non-finite output at {locate(scenario, token, head)}; "
+                f"{int(bad_tokens.sum())} of {n} tokens have non-finite values, in "
+                f"{_describe_requests(scenario, requests)}. Every block no request references "
+                "(the null block 0 included) holds NaN, so the kernel read a block the "
+                "request's table does not name, or produced NaN itself",
+                {
+                    **_location(scenario, token, head),
+                    "tokens": int(bad_tokens.sum()),
+                    "of_tokens": n,
+                    **_request_fields(scenario, requests),
+                },
+            )
         )
     finite_excess = excess.masked_fill(~finite, -math.inf)
     if float(finite_excess.max()) > 0:
@@ -228,47 +286,88 @@ def _check_output(result: ScenarioResult, problem: PagedProblem, output: torch.T
             int(i) for i in torch.unravel_index(finite_excess.argmax(), excess.shape)
         )
         bad = finite_excess > 0
+        requests = _requests_of(scenario, bad.flatten(1).any(dim=1))
+        heads = torch.nonzero(bad.any(dim=2).any(dim=0)).flatten().tolist()
+        got, want = float(actual[token, head, dim]), float(expected[token, head, dim])
         result.failures.append(
-            f"output differs from the float64 reference beyond atol={tol.atol}, rtol={tol.rtol}: "
-            f"largest at {locate(scenario, token, head)}, dim {dim}: got "
-            f"{actual[token, head, dim]:.6g}, expected {expected[token, head, dim]:.6g} "
-            f"(abs error {err[token, head, dim]:.3g}); "
-            f"{int(bad.sum())} of {excess.numel()} elements out of tolerance, in "
-            f"requests {_requests_of(scenario, bad.flatten(1).any(dim=1))} and query heads "
-            f"{_compact(torch.nonzero(bad.any(dim=2).any(dim=0)).flatten().tolist())}"
+            Failure(
+                "output",
+                f"output differs from the float64 reference beyond atol={tol.atol}, "
+                f"rtol={tol.rtol}: largest at {locate(scenario, token, head)}, dim {dim}: got "
+                f"{got:.6g}, expected {want:.6g} (abs error {err[token, head, dim]:.3g}); "
+                f"{int(bad.sum())} of {excess.numel()} elements out of tolerance, in "
+                f"{_describe_requests(scenario, requests)} and query heads {_compact(heads)}",
+                {
+                    **_location(scenario, token, head),
+                    "dim": dim,
+                    "got": got,
+                    "expected": want,
+                    "abs_error": float(err[token, head, dim]),
+                    "elements": int(bad.sum()),
+                    "of_elements": excess.numel(),
+                    **_request_fields(scenario, requests),
+                    "heads": heads,
+                },
+            )
         )
+    failing = ~finite | (excess > 0)
+    if bool(failing.any()):
+        result.hints += output_hints(problem, actual, failing, tol.atol, tol.rtol)
+
+
+def _location(scenario: Scenario, token: int, head: int) -> dict[str, Any]:
+    """Request, position and heads of packed query row ``token`` (request None: a
+    padding row)."""
+    starts = [0]
+    for q in scenario.query_lens:
+        starts.append(starts[-1] + q)
+    kv_heads = 1 if scenario.is_mla else scenario.num_kv_heads
+    where: dict[str, Any] = {"request": None, "token": token, "head": head}
+    if token < starts[-1]:
+        req = max(i for i in range(len(starts) - 1) if starts[i] <= token)
+        s, q = scenario.seq_lens[req], scenario.query_lens[req]
+        where.update(request=req, seq_len=s, query_len=q, position=s - q + token - starts[req])
+    where["kv_head"] = head // (scenario.num_heads // kv_heads)
+    return where
 
 
 def locate(scenario: Scenario, token: int, head: int) -> str:
     """Request, position and heads of packed query row ``token``, in words."""
-    starts = [0]
-    for q in scenario.query_lens:
-        starts.append(starts[-1] + q)
-    if token >= starts[-1]:
+    w = _location(scenario, token, head)
+    if w["request"] is None:
         return f"padding token {token}, head {head}"
-    req = max(i for i in range(len(starts) - 1) if starts[i] <= token)
-    s, q = scenario.seq_lens[req], scenario.query_lens[req]
-    pos = s - q + token - starts[req]
-    kv_heads = 1 if scenario.is_mla else scenario.num_kv_heads
-    kv_head = head // (scenario.num_heads // kv_heads)
     return (
-        f"request {req} (seq_len {s}, query_len {q}), token {token} (position {pos}), "
-        f"query head {head} (kv head {kv_head})"
+        f"request {w['request']} (seq_len {w['seq_len']}, query_len {w['query_len']}), "
+        f"token {token} (position {w['position']}), query head {head} (kv head {w['kv_head']})"
     )
 
 
-def _requests_of(scenario: Scenario, bad_tokens: torch.Tensor) -> str:
-    reqs, start = [], 0
-    for i, q in enumerate(scenario.query_lens):
-        if q and bool(bad_tokens[start : start + q].any()):
-            reqs.append(i)
-        start += q
-    return _compact(reqs)
+def _requests_of(scenario: Scenario, bad_tokens: torch.Tensor) -> list[int]:
+    """The requests that own a row of ``bad_tokens`` ([num_actual_tokens] bool)."""
+    owners = scenario.row_requests()
+    return sorted({owners[t] for t in torch.nonzero(bad_tokens).flatten().tolist()})
 
 
-def _compact(items: list[int], limit: int = 12) -> str:
+def _request_fields(scenario: Scenario, requests: list[int]) -> dict[str, list[int]]:
+    return {
+        "requests": requests,
+        "seq_lens": [scenario.seq_lens[r] for r in requests],
+        "query_lens": [scenario.query_lens[r] for r in requests],
+    }
+
+
+def _describe_requests(scenario: Scenario, requests: list[int]) -> str:
+    fields = _request_fields(scenario, requests)
+    return (
+        f"requests {_compact(requests)} with seq_lens {_compact(fields['seq_lens'], count=False)}"
+        f" and query_lens {_compact(fields['query_lens'], count=False)}"
+    )
+
+
+def _compact(items: list[int], limit: int = 12, count: bool = True) -> str:
     text = ", ".join(map(str, items[:limit]))
-    return f"[{text}{', ...' if len(items) > limit else ''}] ({len(items)})"
+    text = f"[{text}{', ...' if len(items) > limit else ''}]"
+    return f"{text} ({len(items)})" if count else text
 
 
 # -- backend against backend ------------------------------------------------------------

@@ -12,6 +12,7 @@ lengths that are and are not multiples of it, whatever block size is under test.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import zlib
@@ -127,7 +128,7 @@ def design_scenarios(
                     f"no such modifier): {', '.join(map(str, unexercised))}"
                 )
         else:
-            candidates = _standard_scenarios(base, backend, level)
+            candidates = _standard_scenarios(base, backend, level, device)
     seen: set[str] = set()
     for scenario in [*candidates, *extra]:
         if scenario.name in seen:
@@ -346,7 +347,9 @@ def _many_blocks(base: Scenario) -> Scenario:
 # -- standard layers --------------------------------------------------------------------
 
 
-def _standard_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> list[Scenario]:
+def _standard_scenarios(
+    base: Scenario, backend: AttentionBackend, level: str, device: torch.device | str
+) -> list[Scenario]:
     caps = backend.capabilities
     lv = _LEVELS[level]
     out = _shape_scenarios(base, level)
@@ -361,15 +364,29 @@ def _standard_scenarios(base: Scenario, backend: AttentionBackend, level: str) -
     )
     out += [_mixed(base, f"head-size-{d}", {"head_size"}, head_size=d) for d in sizes]
     out += _feature_scenarios(base, level)
+    out += _combinations(base, backend, device)
     if level == "full":
         out.append(_many_blocks(base))
     return out
 
 
 def _feature_scenarios(base: Scenario, level: str) -> list[Scenario]:
-    """One scenario per feature (tagged with it), then the features combined."""
+    """One scenario per feature (tagged with it)."""
     b = base.block_size
-    out = [_mixed(base, "sliding-window", {"sliding_window"}, sliding_window=b + 3)]
+    out = [
+        _mixed(base, "sliding-window", {"sliding_window"}, sliding_window=b + 3),
+        # pure decodes far past a window no smaller than a block: a kernel whose decode
+        # path ignores the window fails here even when it (legitimately) refuses
+        # windows smaller than its block size
+        _make(
+            base,
+            "sliding-window-decode",
+            {"sliding_window"},
+            seq_lens=(8 * b + 3, 5 * b + 7, 12 * b, 2 * b + 9),
+            query_lens=(1, 1, 1, 1),
+            sliding_window=b + 3,
+        ),
+    ]
     if b > 2:
         out.append(
             _mixed(
@@ -382,17 +399,6 @@ def _feature_scenarios(base: Scenario, level: str) -> list[Scenario]:
     out.append(_mixed(base, "sinks", {"sinks"}, use_sinks=True))
     out.append(_mixed(base, "non-causal", {"non_causal"}, causal=False))
     out += _fp8_scenarios(base)
-    out.append(
-        _mixed(
-            base,
-            "window-softcap-alibi-sinks",
-            {"sliding_window", "logits_soft_cap", "alibi", "sinks"},
-            sliding_window=2 * b + 1,
-            logits_soft_cap=2.0,
-            alibi=True,
-            use_sinks=True,
-        )
-    )
     if level == "full":
         out.append(
             _make(
@@ -405,6 +411,56 @@ def _feature_scenarios(base: Scenario, level: str) -> list[Scenario]:
                 sliding_window=b + 1,
             )
         )
+    return out
+
+
+# score modifiers that combine on one causal layer: (short name, changes for block size b)
+_COMBINABLE = {
+    Feature.SLIDING_WINDOW: ("window", lambda b: {"sliding_window": 2 * b + 1}),
+    Feature.LOGITS_SOFT_CAP: ("softcap", lambda b: {"logits_soft_cap": 2.0}),
+    Feature.ALIBI: ("alibi", lambda b: {"alibi": True}),
+    Feature.SINKS: ("sinks", lambda b: {"use_sinks": True}),
+}
+
+
+def _combinations(
+    base: Scenario, backend: AttentionBackend, device: torch.device | str
+) -> list[Scenario]:
+    """The declared score modifiers combined: every pair of them runs together in some
+    scenario (a covering design of pairs, not every subset). Greedy: the set that
+    ``validate`` accepts and that covers the most pairs not yet covered, larger sets
+    first; a backend that takes every combination runs one scenario. A pair no
+    accepted set covers is planned on its own, so the report lists it as not
+    applicable with validate's reason."""
+    declared = [f for f in _COMBINABLE if f in backend.capabilities.features]
+    uncovered = set(itertools.combinations(declared, 2))
+    candidates = [
+        subset
+        for size in range(len(declared), 1, -1)
+        for subset in itertools.combinations(declared, size)
+    ]
+    out: list[Scenario] = []
+
+    def scenario(subset: tuple[Feature, ...]) -> Scenario:
+        changes: dict[str, object] = {}
+        for feature in subset:
+            changes.update(_COMBINABLE[feature][1](base.block_size))
+        name = "-".join(_COMBINABLE[f][0] for f in subset)
+        return _mixed(base, name, {str(f) for f in subset}, **changes)
+
+    while uncovered:
+        best, gain = None, set()
+        for subset in candidates:
+            covers = uncovered & set(itertools.combinations(subset, 2))
+            if len(covers) > len(gain) and not scenario_problems(backend, scenario(subset), device):
+                best, gain = subset, covers
+        if best is None:  # what is left, validate refuses: one n/a scenario per pair
+            order = {f: i for i, f in enumerate(declared)}
+            left = sorted(uncovered, key=lambda pair: (order[pair[0]], order[pair[1]]))
+            out += [scenario(pair) for pair in left]
+            break
+        out.append(scenario(best))
+        uncovered -= gain
     return out
 
 

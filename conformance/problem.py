@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.scenario import Scenario
-from pagedkv.kv_write import dequantize_from_cache, quantize_for_cache
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.reference import reference_attention, reference_mla
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.kv_write import dequantize_from_cache, quantize_for_cache
 
 # What slots past a sequence's end hold: finite, far from real data, so a kernel
 # that reads them without masking shows a large error (and stays NaN-free).
@@ -195,12 +195,19 @@ def real_kv(problem: PagedProblem, k: torch.Tensor, scale: float) -> torch.Tenso
 # -- reference ---------------------------------------------------------------------------
 
 
+def cached_kv(problem: PagedProblem) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each request's K and V as the cache holds them, read back as float64 values."""
+    spec = problem.spec
+    keys = [real_kv(problem, k, spec.k_scale) for k in problem.keys]
+    return keys, [real_kv(problem, v, spec.v_scale) for v in problem.values]
+
+
 def reference_output(problem: PagedProblem) -> torch.Tensor:
     """Float64 [num_actual_tokens, Hq, Dv] from the logical K/V, no block tables."""
     s, spec = problem.scenario, problem.spec
     n = problem.common.num_actual_tokens
     query_lens = list(s.query_lens)
-    keys = [real_kv(problem, k, spec.k_scale) for k in problem.keys]
+    keys, values = cached_kv(problem)
     if s.is_mla:
         # the un-absorbed math: up-project the latent per head, plain attention
         w = problem.mla_weights
@@ -216,7 +223,6 @@ def reference_output(problem: PagedProblem) -> torch.Tensor:
             spec.scale,
             spec.causal,
         )
-    values = [real_kv(problem, v, spec.v_scale) for v in problem.values]
     return reference_attention(
         problem.query[:n].cpu(), keys, values, query_lens, spec, problem.sinks
     )

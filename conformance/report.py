@@ -7,15 +7,19 @@ import datetime
 import json
 import math
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from pagedkv.capabilities import dtype_name
-from pagedkv.conformance.check import TOLERANCES
+from pagedkv.conformance.check import TOLERANCES, ScenarioResult
 from pagedkv.conformance.run import ConformanceRun, Target
+from pagedkv.conformance.scenario import Scenario
 
-FORMAT_VERSION = 1
+# 2: failures are objects (check, message and the fields they name), cells carry
+# hints, scenarios their layer, backends "broken"/"fails_run" and deselected counts
+FORMAT_VERSION = 2
 
 
 def report_paths(path: str | Path) -> tuple[Path, Path]:
@@ -64,6 +68,7 @@ def report_data(run: ConformanceRun) -> dict[str, Any]:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "level": run.level,
         "device": run.device,
+        "allow_unavailable": run.allow_unavailable,
         "device_name": _device_name(run.device),
         "versions": {
             "pagedkv": pagedkv.__version__,
@@ -93,12 +98,15 @@ def _backend_entry(run: ConformanceRun, target: Target) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "requested": target.requested,
         "available": target.available,
+        "broken": target.broken,
+        "fails_run": run.fails_run(target),
         "reason": target.reason,
         "distribution": target.distribution,
     }
     if target.backend is not None:
-        entry["layout"] = target.backend.layout
-        entry["capabilities"] = target.backend.capabilities.describe()
+        # a broken backend may lack either: the report states what it can
+        entry["layout"] = _introspect(lambda: str(target.backend.layout))
+        entry["capabilities"] = _introspect(lambda: target.backend.capabilities.describe())
     if target.available:
         plan = run.plan(target)
         entry["plan_problems"] = plan.problems
@@ -107,17 +115,28 @@ def _backend_entry(run: ConformanceRun, target: Target) -> dict[str, Any]:
     return entry
 
 
-def _scenario_entry(scenario: Any) -> dict[str, Any]:
+def _introspect(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as exc:
+        return f"unreadable: {type(exc).__name__}: {exc}"
+
+
+def _scenario_entry(scenario: Scenario) -> dict[str, Any]:
     return {
         "repro": scenario.repro(),
         "tags": sorted(scenario.tags),
         "dtype": dtype_name(scenario.dtype),
         "seq_lens": list(scenario.seq_lens),
         "query_lens": list(scenario.query_lens),
+        "num_padding_tokens": scenario.num_padding_tokens,
+        "min_num_blocks": scenario.min_num_blocks,
+        "seed": scenario.seed,
+        "layer": _introspect(scenario.layer),
     }
 
 
-def _cell(backend: str, scenario: str, result: Any) -> dict[str, Any]:
+def _cell(backend: str, scenario: str, result: ScenarioResult | None) -> dict[str, Any]:
     if result is None:
         return {"backend": backend, "scenario": scenario, "status": "not run"}
     return {
@@ -131,7 +150,8 @@ def _cell(backend: str, scenario: str, result: Any) -> dict[str, Any]:
             "atol": TOLERANCES[result.scenario.dtype].atol,
             "rtol": TOLERANCES[result.scenario.dtype].rtol,
         },
-        "failures": result.failures,
+        "failures": [f.to_json() for f in result.failures],
+        "hints": result.hints,
         "duration_s": round(result.duration_s, 4),
         "reproduce": None if result.passed else result.reproduction(),
     }
@@ -184,15 +204,20 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     lines = []
     for label, entry in data["backends"].items():
         if not entry["available"]:
-            prefix = "REQUESTED BUT UNAVAILABLE" if entry["requested"] else "unavailable"
-            lines.append(f"{label}: {prefix}: {entry['reason']} (its scenarios were skipped)")
+            lines.append(_unavailable_line(label, entry))
             continue
         failed_checks = [
             c["check"] for c in data["checks"] if c["subject"] == label and c["status"] == "fail"
         ]
+        skipped = [
+            f"{entry[key]} {words}"
+            for key, words in (("deselected", "deselected"), ("not_run", "not run"))
+            if entry.get(key)
+        ]
         line = (
-            f"{label}: {entry['passed']} passed, {entry['failed']} failed of "
-            f"{entry['planned']} scenarios, {entry['not_applicable']} not applicable"
+            f"{label}: {entry['passed']} passed, {entry['failed']} failed"
+            + "".join(f", {s}" for s in skipped)
+            + f" of {entry['planned']} scenarios, {entry['not_applicable']} not applicable"
         )
         if failed_checks:
             line += f"; failed checks: {', '.join(failed_checks)}"
@@ -209,6 +234,19 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
             + (f"; disagree: {', '.join(bad)}" if bad else "")
         )
     return lines
+
+
+def _unavailable_line(label: str, entry: dict[str, Any]) -> str:
+    if entry.get("broken"):
+        return f"{label}: BROKEN: {entry['reason']} (fails the run)"
+    if not entry["requested"]:
+        return f"{label}: unavailable: {entry['reason']} (its scenarios were skipped)"
+    consequence = (
+        "fails the run; --pagedkv-allow-unavailable skips it instead"
+        if entry.get("fails_run")
+        else "skipped: unavailable backends are allowed"
+    )
+    return f"{label}: REQUESTED BUT UNAVAILABLE: {entry['reason']} ({consequence})"
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -239,7 +277,8 @@ def markdown(data: dict[str, Any]) -> str:
         for cell in failures:
             out.append(f"### {cell['backend']} / {cell['scenario']}")
             out.append("")
-            out += [f"- {f}" for f in cell["failures"]]
+            out += [f"- {f['message']}" for f in cell["failures"]]
+            out += [f"- hint: {h}" for h in cell.get("hints", [])]
             out += ["", "```", cell["reproduce"], "```", ""]
     checks = [c for c in data["checks"] if c["check"] != "cross-backend"]
     if checks:

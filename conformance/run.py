@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.config import parse_config
 from pagedkv.conformance.check import ScenarioResult, compare_outputs, run_scenario
 from pagedkv.conformance.design import Plan, design_scenarios
+from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.errors import PagedKVError, UnknownBackendError
-from pagedkv.registry import get_registry
-from pagedkv.selection import parse_config
+from pagedkv.registry import PHASE_SPLIT, PluginFailure, get_registry
 
 DEFAULT_BACKEND = "torch"
 ALL = "all"
@@ -27,6 +28,29 @@ ALL = "all"
 
 class ConformanceUsageError(PagedKVError, ValueError):
     """A --backend or --device value names nothing that can be tested."""
+
+
+def resolve_device(option: str | None) -> str:
+    """The device a run uses: ``option`` when this host can allocate on it, else a
+    ConformanceUsageError saying why not (a backend must not be judged on a device
+    that does not exist here). Default: cuda when available, else cpu."""
+    if not option:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(option)
+    except (RuntimeError, ValueError) as exc:
+        raise ConformanceUsageError(f"--device {option!r}: {exc}") from None
+    if device.type != "cpu":
+        try:
+            torch.empty(1, device=device)
+        except Exception as exc:
+            cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            why = "".join(str(exc).strip().splitlines()[:1])
+            raise ConformanceUsageError(
+                f"--device {option!r} is not usable on this host ({type(exc).__name__}: "
+                f"{why}); devices here: {', '.join(['cpu', *cuda])}"
+            ) from None
+    return str(device)
 
 
 @dataclass
@@ -40,6 +64,23 @@ class Target:
     reason: str = ""  # why not available
     distribution: str = ""
     plan: Plan | None = None
+    # creating or introspecting the backend raised: a bug in the backend, which fails
+    # the run whether or not it was requested
+    broken: bool = False
+
+
+def _failed(target: Target, failure: PluginFailure) -> Target:
+    """A target the registry could not load: a backend it refused for its declarations
+    (or a duplicated name) is broken; a plugin that failed to import is unavailable."""
+    target.available, target.reason = False, failure.reason
+    target.distribution = failure.distribution
+    target.broken = bool(failure.backend) and not failure.conflict
+    return target
+
+
+def _broken(target: Target, reason: str) -> Target:
+    target.available, target.broken, target.reason = False, True, reason
+    return target
 
 
 @dataclass
@@ -66,21 +107,19 @@ class ConformanceRun:
     names: list[str]  # --backend values; empty: the default backend
     level: str = "quick"
     device_option: str | None = None
+    # a requested backend that is unavailable is skipped instead of failing the run
+    allow_unavailable: bool = False
     results: dict[tuple[str, str], ScenarioResult] = field(default_factory=dict)
     checks: list[CheckResult] = field(default_factory=list)
     collected: bool = False  # a conformance test was collected in this session
     report_files: tuple[Path, ...] = ()  # written at the end of the session
+    deselected: set[tuple[str, str]] = field(default_factory=set)  # (label, scenario) by -k
 
     # -- backends ---------------------------------------------------------------------
 
     @cached_property
     def device(self) -> str:
-        if self.device_option:
-            try:
-                return str(torch.device(self.device_option))
-            except (RuntimeError, ValueError) as exc:
-                raise ConformanceUsageError(f"--device {self.device_option!r}: {exc}") from None
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device_option)
 
     @cached_property
     def targets(self) -> list[Target]:
@@ -89,21 +128,10 @@ class ConformanceRun:
         out: dict[str, Target] = {}
         for name in self.names or [DEFAULT_BACKEND]:
             if name == ALL:
-                everything = sorted(
-                    registry.entries.values(), key=lambda e: (-e.cls.priority, e.cls.name)
-                )
-                for entry in everything:
-                    out.setdefault(entry.cls.name, self._resolve(entry.cls.name, False))
+                for entry in registry.by_priority():
+                    out.setdefault(entry.name, self._resolve(entry.name, False))
                 for failure in registry.failures:
-                    out.setdefault(
-                        failure.plugin,
-                        Target(
-                            failure.plugin,
-                            requested=False,
-                            reason=f"plugin failed to load: {failure.error}",
-                            distribution=failure.distribution,
-                        ),
-                    )
+                    out.setdefault(failure.name, _failed(Target(failure.name, False), failure))
             else:
                 out[name] = self._resolve(name, bool(self.names))
         return list(out.values())
@@ -122,30 +150,38 @@ class ConformanceRun:
         choice = choices[0]
         target = Target(label, requested)
         entry = registry.entries.get(choice.name)
-        if entry is None:
+        if entry is None and choice.name != PHASE_SPLIT:
             failure = registry.failure_for(choice.name)
             if failure is None:
                 raise ConformanceUsageError(str(UnknownBackendError(choice.name, registry.entries)))
-            target.reason = f"plugin failed to load: {failure.error}"
-            target.distribution = failure.distribution
-            return target
-        target.distribution = entry.distribution
+            return _failed(target, failure)
+        target.distribution = entry.distribution if entry is not None else "pagedkv"
         try:
             target.backend = registry.create(choice.name, **choice.options)
-            target.available, target.reason = target.backend.is_available()
         except PagedKVError as exc:
             raise ConformanceUsageError(f"--backend {label!r}: {exc}") from None
         except Exception as exc:
-            target.reason = f"creating the backend raised {type(exc).__name__}: {exc}"
-            return target
+            return _broken(target, f"creating the backend raised {describe_exception(exc)}")
+        try:
+            target.available, target.reason = target.backend.is_available()
+            devices = set(target.backend.capabilities.devices)
+            _ = target.backend.layout, target.backend.capabilities.describe()
+        except Exception as exc:
+            return _broken(target, f"introspecting the backend raised {describe_exception(exc)}")
         device_type = torch.device(self.device).type
-        devices = target.backend.capabilities.devices
         if target.available and device_type not in devices:
             target.available = False
             target.reason = (
                 f"does not run on {device_type} (declares devices: {', '.join(sorted(devices))})"
             )
         return target
+
+    def fails_run(self, target: Target) -> bool:
+        """An untestable backend that fails the run: a broken one, or a requested one
+        that is unavailable (unless unavailable backends are allowed)."""
+        if target.available:
+            return False
+        return target.broken or (target.requested and not self.allow_unavailable)
 
     @property
     def available_targets(self) -> list[Target]:
@@ -154,10 +190,20 @@ class ConformanceRun:
     # -- plans ------------------------------------------------------------------------
 
     def plan(self, target: Target) -> Plan:
+        """The target's scenarios; a backend whose declarations cannot be read gets an
+        empty plan with the reason as its problem (test_scenario_plan fails it)."""
         if target.plan is None:
             assert target.backend is not None
             extra, problems = self._plugin_scenarios(target.backend)
-            target.plan = design_scenarios(target.backend, self.level, self.device, extra)
+            try:
+                target.plan = design_scenarios(target.backend, self.level, self.device, extra)
+            except Exception as exc:
+                target.plan = Plan()
+                problems.insert(
+                    0,
+                    f"planning its scenarios raised {describe_exception(exc)} (are its "
+                    "capabilities a pagedkv.Capabilities?)",
+                )
             target.plan.problems += problems
         return target.plan
 
@@ -259,9 +305,14 @@ class ConformanceRun:
     def counts(self, target: Target) -> dict[str, int]:
         ran = [r for (label, _), r in self.results.items() if label == target.label]
         plan = target.plan
+        planned = len(plan.scenarios) if plan else 0
+        deselected = sum(label == target.label for label, _ in self.deselected)
         return {
             "passed": sum(r.passed for r in ran),
             "failed": sum(not r.passed for r in ran),
+            "deselected": deselected,
+            # planned, not deselected, and yet not run (-x stopped the session, say)
+            "not_run": max(0, planned - len(ran) - deselected),
             "not_applicable": len(plan.not_applicable) if plan else 0,
-            "planned": len(plan.scenarios) if plan else 0,
+            "planned": planned,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pagedkv.spec import AttentionSpec, alibi_slopes
@@ -63,6 +64,10 @@ class Scenario:
     def num_tokens(self) -> int:
         return sum(self.query_lens) + self.num_padding_tokens
 
+    def row_requests(self) -> list[int]:
+        """The request of each scheduled query row, in packed order (padding excluded)."""
+        return [r for r, q in enumerate(self.query_lens) for _ in range(q)]
+
     def spec(self) -> AttentionSpec:
         if self.is_mla:
             assert self.qk_rope_head_dim is not None
@@ -96,6 +101,35 @@ class Scenario:
             use_sinks=self.use_sinks,
             causal=self.causal,
         )
+
+    def layer(self) -> dict[str, Any]:
+        """The attention layer this scenario runs (its spec), as JSON-ready fields."""
+        spec = self.spec()
+        fields: dict[str, Any] = {
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "head_size_v": spec.head_size_v,
+            "dtype": _DTYPE_NAMES[spec.dtype],
+            "block_size": spec.block_size,
+            "scale": spec.scale,
+            "kv_cache_dtype": spec.kv_cache_dtype,
+            "k_scale": spec.k_scale,
+            "v_scale": spec.v_scale,
+            "sliding_window": spec.sliding_window,
+            "logits_soft_cap": spec.logits_soft_cap,
+            "alibi": spec.alibi_slopes is not None,
+            "use_sinks": spec.use_sinks,
+            "causal": spec.causal,
+        }
+        if self.is_mla:
+            fields.update(
+                kv_lora_rank=self.kv_lora_rank,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                v_head_dim=self.v_head_dim,
+            )
+        return fields
 
     def replace(self, **changes: object) -> Scenario:
         return dataclasses.replace(self, **changes)

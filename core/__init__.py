@@ -20,9 +20,11 @@ if TYPE_CHECKING:
         AttentionBackend,
         AttentionImpl,
         AttentionMetadataBuilder,
-        BackendOption,
+        BackendMetadata,
     )
     from pagedkv.capabilities import Capabilities, MultipleOf
+    from pagedkv.config import BackendChoice, parse_config
+    from pagedkv.convert import convert_kv_cache
     from pagedkv.errors import (
         ConfigError,
         DuplicateBackendError,
@@ -30,14 +32,18 @@ if TYPE_CHECKING:
         NoUsableBackendError,
         OutOfBlocksError,
         PagedKVError,
+        RegistryReentryError,
         SpecError,
         UnknownBackendError,
         UnsupportedError,
     )
     from pagedkv.features import Feature
+    from pagedkv.graph import GraphBounds, GraphSupport
+    from pagedkv.layout import KVLayout
     from pagedkv.metadata import CommonAttentionMetadata
+    from pagedkv.options import BackendOption
     from pagedkv.registry import BackendRecord, get_backend, get_registry, list_backends
-    from pagedkv.selection import BackendChoice, parse_config, select_backend
+    from pagedkv.selection import select_backend
     from pagedkv.spec import AttentionSpec
 
 _EXPORTS = {
@@ -45,7 +51,8 @@ _EXPORTS = {
     "AttentionImpl": "pagedkv.backend",
     "AttentionMetadataBuilder": "pagedkv.backend",
     "AttentionSpec": "pagedkv.spec",
-    "BackendChoice": "pagedkv.selection",
+    "BackendMetadata": "pagedkv.backend",
+    "BackendChoice": "pagedkv.config",
     "BackendOption": "pagedkv.options",
     "BackendRecord": "pagedkv.registry",
     "Capabilities": "pagedkv.capabilities",
@@ -53,18 +60,23 @@ _EXPORTS = {
     "ConfigError": "pagedkv.errors",
     "DuplicateBackendError": "pagedkv.errors",
     "Feature": "pagedkv.features",
+    "GraphBounds": "pagedkv.graph",
+    "GraphSupport": "pagedkv.graph",
+    "KVLayout": "pagedkv.layout",
     "MetadataError": "pagedkv.errors",
     "MultipleOf": "pagedkv.capabilities",
     "NoUsableBackendError": "pagedkv.errors",
     "OutOfBlocksError": "pagedkv.errors",
     "PagedKVError": "pagedkv.errors",
+    "RegistryReentryError": "pagedkv.errors",
     "SpecError": "pagedkv.errors",
     "UnknownBackendError": "pagedkv.errors",
     "UnsupportedError": "pagedkv.errors",
+    "convert_kv_cache": "pagedkv.convert",
     "get_backend": "pagedkv.registry",
     "get_registry": "pagedkv.registry",
     "list_backends": "pagedkv.registry",
-    "parse_config": "pagedkv.selection",
+    "parse_config": "pagedkv.config",
     "select_backend": "pagedkv.selection",
 }
 
@@ -93,6 +105,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "BackendChoice",
+    "BackendMetadata",
     "BackendOption",
     "BackendRecord",
     "Capabilities",
@@ -100,15 +113,20 @@ __all__ = [
     "ConfigError",
     "DuplicateBackendError",
     "Feature",
+    "GraphBounds",
+    "GraphSupport",
+    "KVLayout",
     "MetadataError",
     "MultipleOf",
     "NoUsableBackendError",
     "OutOfBlocksError",
     "PagedKVError",
+    "RegistryReentryError",
     "SpecError",
     "UnknownBackendError",
     "UnsupportedError",
     "__version__",
+    "convert_kv_cache",
     "get_backend",
     "get_registry",
     "hookimpl",

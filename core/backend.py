@@ -1,10 +1,11 @@
 """The backend contract: AttentionBackend, AttentionMetadataBuilder, AttentionImpl.
 
-A backend is a configured object (``FlashInferBackend(kv_layout="HND")``): options
-from a config string can change its physical layout, so layout methods are
-instance methods. It owns one physical KV layout and exposes it to everyone else as
-the *logical* view: K and V, each ``[num_blocks, block_size, num_kv_heads,
-head_size]``, as views of the same storage.
+A backend is a configured object (``FlashInferBackend(kv_layout="HND")``). It declares
+one physical KV layout (a ``pagedkv.KVLayout``; options may choose it per instance)
+and exposes every cache to everyone else through that layout's *logical* views: K and
+V, each ``[num_blocks, block_size, num_kv_heads, head_size]``, views of the same
+storage. Shape, allocation, views, the cache check and block copies are behaviour of
+the base class on that layout object, so a backend writes none of them.
 
 The flow of one step, for each layer::
 
@@ -14,22 +15,63 @@ The flow of one step, for each layer::
     impl = backend.make_impl(spec)                    # once per layer
     metadata = builder.build(common)                  # once per step, shared by layers
     out = impl.forward(q, k, v, kv_cache, metadata)   # per layer
+
+A backend implements ``build_metadata`` (the builder's planning, after the shared
+step checks) and ``attend`` (the attention, after the shared argument and cache
+checks and the KV write). Backends written against the first contract, which
+implement ``get_kv_cache_shape``/``kv_cache_to_logical``, ``build`` and ``forward``
+themselves, keep working: docs/contract.md says how to move them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from pagedkv.capabilities import Capabilities
 from pagedkv.errors import ConfigError, UnsupportedError
+from pagedkv.graph import GraphBounds, GraphStaging, GraphSupport
+from pagedkv.layout import CacheChecker, CacheLayout, KVLayout, cache_checker
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.options import BackendOption, OptionValue
 from pagedkv.spec import AttentionSpec
+from pagedkv.step_check import check_step, full_validation_enabled
 
 M = TypeVar("M")
+
+
+class StepMetadata(Protocol):
+    """What the shared ``forward`` reads from any backend's metadata."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:  # [T] int64, < 0 = padding
+        ...
+
+    @property
+    def num_tokens(self) -> int:  # T, rows of query/key/value/output
+        ...
+
+
+@dataclass(frozen=True)
+class BackendMetadata:
+    """A base for backend metadata that carries the step it was built from."""
+
+    common: CommonAttentionMetadata
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.common.slot_mapping
+
+    @property
+    def num_tokens(self) -> int:
+        return self.common.num_tokens
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.common.num_actual_tokens
 
 
 class AttentionMetadataBuilder(ABC, Generic[M]):
@@ -37,16 +79,84 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     Everything that depends only on the batch (index conversions, plans, split
     decisions) happens here, so ``forward`` of every layer only launches kernels.
+    ``build`` runs the shared step checks (``pagedkv.step_check``), pads the step into
+    the CUDA-graph buffers after ``reserve_cuda_graph``, then calls the backend's
+    ``build_metadata``.
     """
 
-    def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        device: torch.device | str,
+        *,
+        cache_layout: CacheLayout | None = None,
+        graph_support: GraphSupport = GraphSupport.NEVER,
+        **options: Any,
+    ) -> None:
         self.spec = spec
         self.device = torch.device(device)
         self.options = options
+        self.cache_layout = cache_layout  # the backend's configured layout
+        self.graph_support = graph_support
+        self._graph: GraphStaging | None = None
+        self._scratch: dict[str, torch.Tensor] = {}
+        if type(self).build is AttentionMetadataBuilder.build and (
+            type(self).build_metadata is AttentionMetadataBuilder.build_metadata
+        ):
+            raise TypeError(f"{type(self).__name__} must implement build_metadata (or build)")
 
-    @abstractmethod
-    def build(self, common: CommonAttentionMetadata) -> M:
-        """The backend's metadata for this step."""
+    def build(self, common: CommonAttentionMetadata, **overrides: Any) -> M:
+        """This step's metadata (valid until the next ``build``). ``overrides`` are
+        passed to ``build_metadata`` (tuning knobs of a backend, e.g. a forced tile)."""
+        common = check_step(common, self.spec.block_size)
+        if self._graph is not None:
+            common = self._graph.stage(common)
+        return self.build_metadata(common, **overrides)
+
+    def build_metadata(self, common: CommonAttentionMetadata, **overrides: Any) -> M:
+        """The backend's planning of a checked step (after ``reserve_cuda_graph``: the
+        step padded to the bounds, in persistent buffers)."""
+        raise NotImplementedError
+
+    # -- CUDA graphs ------------------------------------------------------------------
+
+    def reserve_cuda_graph(self, bounds: GraphBounds) -> None:
+        """From now on every ``build`` returns capture-safe metadata for steps within
+        ``bounds`` (module pagedkv.graph). Raises UnsupportedError when the backend
+        does not declare graph support for such steps."""
+        self.check_graph_support(bounds)
+        self._graph = GraphStaging(bounds, self.spec.block_size, self.device)
+        self._scratch.clear()
+
+    def check_graph_support(self, bounds: GraphBounds) -> None:
+        if not self.graph_support.allows(bounds.max_query_len):
+            raise UnsupportedError(
+                f"CUDA graphs: this backend declares graph support {self.graph_support!s}; "
+                f"GraphBounds.max_query_len {bounds.max_query_len} needs "
+                f"{'mixed' if bounds.max_query_len > 1 else 'pure_decode'}"
+            )
+
+    @property
+    def graph_bounds(self) -> GraphBounds | None:
+        """The reservation, or None (eager)."""
+        return self._graph.bounds if self._graph is not None else None
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A work buffer of this step (split-KV partials, plans): new each step when
+        eager; under a CUDA-graph reservation one persistent buffer per name, whose
+        shape must not change (it may only depend on the bounds)."""
+        if self._graph is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._scratch.get(name)
+        if buf is None:
+            buf = self._scratch[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            raise RuntimeError(
+                f"scratch buffer {name!r} changed from {tuple(buf.shape)} {buf.dtype} to "
+                f"{tuple(shape)} {dtype} under a CUDA-graph reservation: its size must depend "
+                "only on the GraphBounds"
+            )
+        return buf
 
 
 class AttentionImpl(ABC, Generic[M]):
@@ -61,7 +171,12 @@ class AttentionImpl(ABC, Generic[M]):
     """
 
     def __init__(
-        self, spec: AttentionSpec, *, sinks: torch.Tensor | None = None, **options: Any
+        self,
+        spec: AttentionSpec,
+        *,
+        sinks: torch.Tensor | None = None,
+        cache_layout: CacheLayout | None = None,
+        **options: Any,
     ) -> None:
         if spec.use_sinks and sinks is None:
             raise UnsupportedError("spec.use_sinks is set: pass sinks=[num_heads] float32 logits")
@@ -71,21 +186,19 @@ class AttentionImpl(ABC, Generic[M]):
             raise UnsupportedError(
                 f"sinks: expected shape ({spec.num_heads},), got {tuple(sinks.shape)}"
             )
+        if (
+            type(self).forward is AttentionImpl.forward
+            and type(self).attend is AttentionImpl.attend
+        ):
+            raise TypeError(f"{type(self).__name__} must implement attend (or forward)")
         self.spec = spec
         self.sinks = None if sinks is None else sinks.float()
+        self.cache_layout = cache_layout  # the backend's configured layout
         self.options = options
+        self._cache_checker: CacheChecker | None = None
 
-    @abstractmethod
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        metadata: M,
-    ) -> None:
-        """Store key/value rows at metadata's slot_mapping; negative slots are skipped."""
+    # -- the shared forward -----------------------------------------------------------
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -96,8 +209,69 @@ class AttentionImpl(ABC, Generic[M]):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new K/V when given, then attend. Returns [T, num_heads, head_size_v]."""
+        md: StepMetadata = metadata  # type: ignore[assignment]
+        self.check_forward_args(query, key, value, md.num_tokens, output)
+        self.check_cache(kv_cache, query.device, metadata)
+        if key is not None:
+            self.write_kv(key, value, kv_cache, metadata)
+        out = self.new_output(query, output)
+        self.attend(query, kv_cache, metadata, out)
+        return out
 
-    # -- shared argument checks ------------------------------------------------------
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: M, output: torch.Tensor
+    ) -> None:
+        """Attention of ``query`` over the cache into ``output`` (the backend's kernel).
+        The arguments are checked and this step's K/V are already in the cache."""
+        raise NotImplementedError
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: M,
+    ) -> None:
+        """Store key/value rows at metadata's slot_mapping; negative slots are skipped.
+        Default: the shared writer (pagedkv.toolkit.kv_write) through the layout's views."""
+        from pagedkv.toolkit.kv_write import write_kv_by_slot
+
+        k_view, v_view = self.layout().logical(kv_cache, self.spec)
+        s, md = self.spec, metadata
+        write_kv_by_slot(
+            key,
+            value,
+            k_view,
+            None if value is None else v_view,
+            md.slot_mapping,  # type: ignore[attr-defined]
+            s.k_scale,
+            s.v_scale,
+        )
+
+    # -- shared checks ----------------------------------------------------------------
+
+    def layout(self) -> CacheLayout:
+        """The backend's configured layout (given by ``make_impl``)."""
+        if self.cache_layout is None:
+            raise UnsupportedError(
+                f"{type(self).__name__} has no KV layout: create impls with "
+                "backend.make_impl(spec) (or pass cache_layout=)"
+            )
+        return self.cache_layout
+
+    def check_cache(
+        self, kv_cache: object, device: torch.device | None = None, metadata: object = None
+    ) -> None:
+        """The layout's cache check; with PAGEDKV_VALIDATE=1 also the full metadata
+        validation against this cache's pool size."""
+        layout = self.layout()
+        if self._cache_checker is None:
+            self._cache_checker = layout.checker(self.spec)
+        self._cache_checker(kv_cache, device)
+        common = getattr(metadata, "common", None)
+        if full_validation_enabled() and isinstance(common, CommonAttentionMetadata):
+            assert isinstance(kv_cache, torch.Tensor)
+            common.validate(kv_cache.shape[layout.block_axis])
 
     def check_forward_args(
         self,
@@ -109,10 +283,10 @@ class AttentionImpl(ABC, Generic[M]):
     ) -> None:
         """Raise UnsupportedError naming the argument whose shape or dtype is wrong."""
         s = self.spec
-        _expect("query", query, (num_tokens, s.num_heads, s.head_size), s.dtype)
+        expect_tensor("query", query, (num_tokens, s.num_heads, s.head_size), s.dtype)
         if s.is_mla:
             if key is not None:
-                _expect("key (MLA latent)", key, (num_tokens, 1, s.head_size), s.dtype)
+                expect_tensor("key (MLA latent)", key, (num_tokens, 1, s.head_size), s.dtype)
             if value is not None:
                 raise UnsupportedError(
                     "value must be None for MLA: V is the latent's first kv_lora_rank values"
@@ -120,10 +294,10 @@ class AttentionImpl(ABC, Generic[M]):
         elif (key is None) != (value is None):
             raise UnsupportedError("key and value must be given together (or both None)")
         elif key is not None:
-            _expect("key", key, (num_tokens, s.num_kv_heads, s.head_size), s.dtype)
-            _expect("value", value, (num_tokens, s.num_kv_heads, s.head_size_v), s.dtype)
+            expect_tensor("key", key, (num_tokens, s.num_kv_heads, s.head_size), s.dtype)
+            expect_tensor("value", value, (num_tokens, s.num_kv_heads, s.head_size_v), s.dtype)
         if output is not None:
-            _expect("output", output, (num_tokens, s.num_heads, s.head_size_v), s.dtype)
+            expect_tensor("output", output, (num_tokens, s.num_heads, s.head_size_v), s.dtype)
 
     def new_output(self, query: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         if output is not None:
@@ -131,7 +305,8 @@ class AttentionImpl(ABC, Generic[M]):
         return query.new_empty(query.shape[0], self.spec.num_heads, self.spec.head_size_v)
 
 
-def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def expect_tensor(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise UnsupportedError naming ``name`` unless ``t`` is a tensor of this shape and dtype."""
     if not isinstance(t, torch.Tensor):
         raise UnsupportedError(
             f"{name}: expected a tensor of shape {list(shape)}, got {type(t).__name__}"
@@ -142,22 +317,75 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dty
         raise UnsupportedError(f"{name}: expected dtype {dtype}, got {t.dtype}")
 
 
+class _DeclaredLayout:
+    """The layout of a backend written against the first contract, through its own
+    get_kv_cache_shape / kv_cache_to_logical / block_axis / layout declarations."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        axis = getattr(type(backend), "block_axis", 0)
+        self._block_axis = axis if isinstance(axis, int) else 0
+
+    @property
+    def block_axis(self) -> int:
+        return self._block_axis
+
+    def describe(self) -> str:
+        declared = getattr(type(self.backend), "layout", None)
+        return declared if isinstance(declared, str) else "(declared by get_kv_cache_shape)"
+
+    def _expected(self, spec: AttentionSpec) -> str:
+        dims: list[object] = list(self.shape(1, spec))
+        dims[self.block_axis] = "num_blocks"
+        return f"the {self.name} layout [{', '.join(map(str, dims))}] = {self.describe()}"
+
+    def shape(self, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        return tuple(
+            self.backend.get_kv_cache_shape(
+                num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+            )
+        )
+
+    def logical(
+        self, kv_cache: torch.Tensor, spec: AttentionSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.kv_cache_to_logical(kv_cache, spec)
+
+    def check(
+        self, kv_cache: object, spec: AttentionSpec, device: torch.device | None = None
+    ) -> None:
+        self.checker(spec)(kv_cache, device)
+
+    def checker(self, spec: AttentionSpec) -> CacheChecker:
+        # the first contract did not require a contiguous cache
+        return cache_checker(
+            spec,
+            self.block_axis,
+            self.shape(1, spec),
+            lambda: self._expected(spec),
+            contiguous=False,
+        )
+
+
 class AttentionBackend(ABC):
     """One paged-attention implementation with one physical KV layout.
 
-    Subclasses set the class attributes and implement the abstract methods. The
-    constructor takes the options of a config string (``name(key=value)``); it must
-    stay cheap and must not import the backend's kernel library.
+    Subclasses set the class attributes (``name``, ``capabilities``, ``kv_layout``,
+    optionally ``priority`` and ``option_specs``) and return their builder and impl
+    classes. The constructor takes the options of a config string
+    (``name(key=value)``); it must stay cheap and must not import the backend's
+    kernel library. A backend whose layout depends on an option sets
+    ``self.kv_layout`` in its ``__init__``.
     """
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0  # `auto` tries higher first
     capabilities: ClassVar[Capabilities]
     option_specs: ClassVar[Mapping[str, BackendOption]] = {}
-    # the physical layout in symbols, e.g. "(2, num_blocks, block_size, num_kv_heads, head_size)"
-    layout: ClassVar[str]
-    # the axis of the physical cache that indexes blocks (for copy_blocks)
-    block_axis: ClassVar[int] = 0
+    # the physical KV layout; None only for backends of the first contract, which
+    # implement get_kv_cache_shape and kv_cache_to_logical (and set layout/block_axis)
+    kv_layout: KVLayout | None = None
 
     def __init__(self, **options: OptionValue) -> None:
         unknown = sorted(set(options) - set(self.option_specs))
@@ -174,15 +402,38 @@ class AttentionBackend(ABC):
         given = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
         return f"{self.name}({given})" if given else self.name
 
-    # -- layout -----------------------------------------------------------------------
+    # -- layout (all derived from kv_layout) ------------------------------------------
 
-    @abstractmethod
+    def get_kv_layout(self) -> CacheLayout:
+        """The configured layout object (for a first-contract backend, an adapter over
+        its own layout methods)."""
+        if self.kv_layout is not None:
+            return self.kv_layout
+        if type(self).get_kv_cache_shape is AttentionBackend.get_kv_cache_shape:
+            raise TypeError(
+                f"backend {self.name!r} declares no layout: set kv_layout = pagedkv.KVLayout(...) "
+                "(or implement get_kv_cache_shape and kv_cache_to_logical)"
+            )
+        return _DeclaredLayout(self)
+
+    @property
+    def layout(self) -> str:
+        """The physical layout in symbols, e.g. "(2, num_blocks, block_size, num_kv_heads, head_size)"."""
+        return self.get_kv_layout().describe()
+
+    @property
+    def block_axis(self) -> int:
+        """The physical axis that block ids index."""
+        return self.get_kv_layout().block_axis
+
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         """Physical shape of one layer's cache."""
+        layout = self.get_kv_layout()
+        assert isinstance(layout, KVLayout)  # first-contract backends override this method
+        return layout.physical_shape(num_blocks, block_size, num_kv_heads, head_size)
 
-    @abstractmethod
     def kv_cache_to_logical(
         self, kv_cache: torch.Tensor, spec: AttentionSpec
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +443,15 @@ class AttentionBackend(ABC):
         [N, B, 1, kv_lora_rank + rope_dim] and V its prefix [N, B, 1, kv_lora_rank].
         fp8 caches are returned raw (stored value = real value / k_scale or v_scale).
         """
+        layout = self.get_kv_layout()
+        layout.check(kv_cache, spec)
+        return layout.logical(kv_cache, spec)
+
+    def check_kv_cache(
+        self, kv_cache: object, spec: AttentionSpec, device: torch.device | str | None = None
+    ) -> None:
+        """Raise UnsupportedError naming what is wrong with a cache for ``spec``."""
+        self.get_kv_layout().check(kv_cache, spec, None if device is None else torch.device(device))
 
     def allocate_kv_cache(
         self, num_blocks: int, spec: AttentionSpec, device: torch.device | str
@@ -212,7 +472,8 @@ class AttentionBackend(ABC):
             raise UnsupportedError(
                 f"copy_blocks: src and dst must be 1-D of equal length, got {tuple(src.shape)}, {tuple(dst.shape)}"
             )
-        kv_cache.index_copy_(self.block_axis, dst, kv_cache.index_select(self.block_axis, src))
+        axis = self.block_axis
+        kv_cache.index_copy_(axis, dst, kv_cache.index_select(axis, src))
 
     # -- parts ------------------------------------------------------------------------
 
@@ -228,13 +489,21 @@ class AttentionBackend(ABC):
         self, spec: AttentionSpec, device: torch.device | str
     ) -> AttentionMetadataBuilder[Any]:
         self.require(spec, device)
-        return self.get_builder_cls()(spec, device, **self.options)
+        return self.get_builder_cls()(
+            spec,
+            device,
+            cache_layout=self.get_kv_layout(),
+            graph_support=self.capabilities.graph_support,
+            **self.options,
+        )
 
     def make_impl(
         self, spec: AttentionSpec, *, sinks: torch.Tensor | None = None
     ) -> AttentionImpl[Any]:
         self.require(spec)
-        return self.get_impl_cls()(spec, sinks=sinks, **self.options)
+        return self.get_impl_cls()(
+            spec, sinks=sinks, cache_layout=self.get_kv_layout(), **self.options
+        )
 
     # -- support ----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,25 @@ class MultipleOf:
         return text
 
 
-SizeRule = int | MultipleOf
+@dataclass(frozen=True)
+class BothOf:
+    """Sizes both rule lists accept: the intersection of two backends' declarations."""
+
+    first: tuple[SizeRule, ...]
+    second: tuple[SizeRule, ...]
+
+    def matches(self, value: int) -> bool:
+        return sizes_match(self.first, value) and sizes_match(self.second, value)
+
+    def __str__(self) -> str:
+        return f"({describe_sizes(self.first)}) and ({describe_sizes(self.second)})"
+
+
+SizeRule = int | MultipleOf | BothOf
 
 
 def sizes_match(rules: Iterable[SizeRule], value: int) -> bool:
-    return any(r.matches(value) if isinstance(r, MultipleOf) else r == value for r in rules)
+    return any(r == value if isinstance(r, int) else r.matches(value) for r in rules)
 
 
 def describe_sizes(rules: Iterable[SizeRule]) -> str:
@@ -61,7 +76,17 @@ class Capabilities:
     block_sizes: tuple[SizeRule, ...] = (MultipleOf(1),)
     features: frozenset[Feature] = frozenset()
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    # which steps forward can be captured in a CUDA graph (builder.reserve_cuda_graph)
+    cuda_graph: GraphSupport = GraphSupport.NEVER
     notes: tuple[str, ...] = field(default=(), compare=False)  # e.g. limits per feature
+
+    @property
+    def graph_support(self) -> GraphSupport:
+        """The declared graph support; the first contract's Feature.CUDA_GRAPH means
+        pure-decode steps."""
+        if self.cuda_graph is GraphSupport.NEVER and Feature.CUDA_GRAPH in self.features:
+            return GraphSupport.PURE_DECODE
+        return self.cuda_graph
 
     def problems(self, spec: Any, backend_name: str) -> list[str]:
         """Reasons ``spec`` falls outside these capabilities (empty: inside)."""
@@ -102,6 +127,20 @@ class Capabilities:
             out.append(f"{feature} is not supported by {backend_name}")
         return out
 
+    def intersect(self, other: Capabilities) -> Capabilities:
+        """What two backends both support (a composite of the two declares this)."""
+        levels = list(GraphSupport)
+        return Capabilities(
+            dtypes=self.dtypes & other.dtypes,
+            kv_cache_dtypes=self.kv_cache_dtypes & other.kv_cache_dtypes,
+            head_sizes=(BothOf(self.head_sizes, other.head_sizes),),
+            block_sizes=(BothOf(self.block_sizes, other.block_sizes),),
+            features=(self.features & other.features) - {Feature.CUDA_GRAPH},
+            devices=self.devices & other.devices,
+            cuda_graph=min(self.graph_support, other.graph_support, key=levels.index),
+            notes=self.notes + tuple(n for n in other.notes if n not in self.notes),
+        )
+
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary (for the CLI and reports)."""
         return {
@@ -111,4 +150,5 @@ class Capabilities:
             "block_sizes": describe_sizes(self.block_sizes),
             "features": sorted(str(f) for f in self.features),
             "devices": sorted(self.devices),
+            "cuda_graph": str(self.graph_support),
         }

@@ -55,7 +55,15 @@ class NoUsableBackendError(PagedKVError, RuntimeError):
 
 
 class DuplicateBackendError(PagedKVError, RuntimeError):
-    """Two plugins registered the same backend name."""
+    """A backend name that two plugins register was asked for (neither is used)."""
+
+
+class RegistryReentryError(PagedKVError, RuntimeError):
+    """A plugin used the registry while the registry was loading that plugin."""
+
+
+class UsageError(PagedKVError, ValueError):
+    """A command-line argument is missing, contradicts another or makes no sense."""
 
 
 class OutOfBlocksError(PagedKVError, ValueError):

@@ -57,10 +57,6 @@ class CommonAttentionMetadata:
         """Tokens already in the cache before this step (num_computed_tokens)."""
         return self.seq_lens_cpu - self.query_lens_cpu
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len <= 1
-
     # -- construction -------------------------------------------------------------
 
     @classmethod
@@ -144,7 +140,8 @@ class CommonAttentionMetadata:
         """Check every invariant against a pool of ``num_blocks`` blocks.
 
         Raises MetadataError naming the field, the request (or token) and what was
-        expected. Costs a device->host copy: a debugging and test tool, not for the
+        expected; among them, a scheduled token mapped into block 0, the null block
+        (context entries may be 0). Costs a device->host copy: a debugging and test tool, not for the
         hot path.
         """
         _check_tensor("query_start_loc_cpu", self.query_start_loc_cpu, torch.int32, 1, "cpu")
@@ -230,6 +227,20 @@ class CommonAttentionMetadata:
             raise MetadataError(
                 f"slot_mapping[{t}] = {actual[t]} (request {_request_of(qsl, t)}) is out of range: "
                 f"expected a slot in [0, {num_slots}) for a scheduled token"
+            )
+        # Block 0 is the null block: padding shared by every table, never a request's.
+        for t in np.flatnonzero(actual < self.block_size)[:1]:
+            raise MetadataError(
+                f"slot_mapping[{t}] = {actual[t]} (request {_request_of(qsl, t)}) is in block 0, "
+                f"the null block: expected a slot >= block_size {self.block_size} for a "
+                "scheduled token (block 0 pads every block table)"
+            )
+        for t in np.flatnonzero(expected[: self.num_actual_tokens] < self.block_size)[:1]:
+            i = _request_of(qsl, t)
+            j = (seq[i] - (qsl[i + 1] - t)) // self.block_size
+            raise MetadataError(
+                f"block_table[{i}, {j}] = 0 (request {i}) is the null block, but scheduled "
+                f"token {t} is written there: expected a real block id (>= 1)"
             )
         for t in np.flatnonzero(actual != expected[: self.num_actual_tokens])[:1]:
             raise MetadataError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -54,29 +55,31 @@ class AttentionSpec:
     qk_rope_head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "head_size_v", self.head_size_v or self._default_head_size_v())
-        if self.alibi_slopes is not None and not isinstance(self.alibi_slopes, tuple):
-            object.__setattr__(self, "alibi_slopes", tuple(float(s) for s in self.alibi_slopes))
+        for name in _INT_FIELDS:  # numpy ints and the like become Python ints
+            value = getattr(self, name)
+            if _is_int(value) and type(value) is not int:
+                object.__setattr__(self, name, int(value))
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self._default_head_size_v())
+        slopes = None if self.alibi_slopes is None else _as_floats(self.alibi_slopes)
+        if slopes is not None:
+            object.__setattr__(self, "alibi_slopes", slopes)
         problems = self.problems()
         if problems:
             raise SpecError("invalid AttentionSpec: " + "; ".join(problems))
         if self.scale is None:
             object.__setattr__(self, "scale", self.head_size**-0.5)
 
-    def _default_head_size_v(self) -> int:
+    def _default_head_size_v(self) -> int | None:
         if self.kv_lora_rank is not None:
             return self.kv_lora_rank
         return self.head_size
 
     def problems(self) -> list[str]:
         """Every inconsistency in this spec, one sentence each (empty: valid)."""
-        out: list[str] = []
-        for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                out.append(f"{name} must be a positive int, got {value!r}")
+        out = _type_problems(self)
         if out:
-            return out
+            return out  # the checks below compare values of the right types
         if self.num_heads % self.num_kv_heads:
             out.append(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -89,27 +92,11 @@ class AttentionSpec:
                 f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
                 f"{self.kv_cache_dtype!r}"
             )
-        for name in ("k_scale", "v_scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                out.append(f"{name} must be a finite positive number, got {value!r}")
-        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            out.append(f"scale must be a finite positive number, got {self.scale!r}")
-        if self.sliding_window is not None and (
-            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
-        ):
-            out.append(
-                f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
-            )
-        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
-            out.append(f"logits_soft_cap must be positive or None, got {self.logits_soft_cap!r}")
         if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_heads:
             out.append(
                 f"alibi_slopes must have one slope per query head ({self.num_heads}), got "
                 f"{len(self.alibi_slopes)}"
             )
-        if self.head_size_v is not None and self.head_size_v <= 0:
-            out.append(f"head_size_v must be positive, got {self.head_size_v}")
         out.extend(self._mla_problems())
         return out
 
@@ -120,8 +107,6 @@ class AttentionSpec:
         if lora is None or rope is None:
             return ["MLA needs both kv_lora_rank and qk_rope_head_dim"]
         out = []
-        if lora <= 0 or rope < 0:
-            out.append(f"kv_lora_rank must be > 0 and qk_rope_head_dim >= 0, got {lora}, {rope}")
         if self.head_size != lora + rope:
             out.append(
                 f"MLA head_size must be kv_lora_rank + qk_rope_head_dim = {lora + rope}, "
@@ -190,6 +175,80 @@ class AttentionSpec:
         if "head_size_v" not in changes and ("head_size" in changes or "kv_lora_rank" in changes):
             changes["head_size_v"] = None
         return dataclasses.replace(self, **changes)
+
+
+# The fields' types, checked before anything else: a bool is not an int (True would be
+# a window of 1), a float is not an int (16.0 would flow into shapes), and a float
+# field is finite where infinity means nothing (an infinite soft cap or slope turns
+# every output into NaN).
+_POSITIVE_INT_FIELDS = ("num_heads", "num_kv_heads", "head_size", "block_size")
+_OPTIONAL_POSITIVE_INT_FIELDS = ("head_size_v", "sliding_window", "kv_lora_rank")
+_INT_FIELDS = (*_POSITIVE_INT_FIELDS, *_OPTIONAL_POSITIVE_INT_FIELDS, "qk_rope_head_dim")
+_OPTIONAL_POSITIVE_FLOAT_FIELDS = ("scale", "logits_soft_cap")
+_POSITIVE_FLOAT_FIELDS = ("k_scale", "v_scale")
+_BOOL_FIELDS = ("use_sinks", "causal")
+
+
+def _type_problems(spec: AttentionSpec) -> list[str]:
+    out = []
+    for name in (*_POSITIVE_INT_FIELDS, *_OPTIONAL_POSITIVE_INT_FIELDS):
+        value = getattr(spec, name)
+        optional = name in _OPTIONAL_POSITIVE_INT_FIELDS
+        if (value is None and optional) or (_is_int(value) and value > 0):
+            continue
+        out.append(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+    rope = spec.qk_rope_head_dim
+    if not (rope is None or (_is_int(rope) and rope >= 0)):
+        out.append(f"qk_rope_head_dim must be an int >= 0 or None, got {rope!r}")
+    for name in (*_POSITIVE_FLOAT_FIELDS, *_OPTIONAL_POSITIVE_FLOAT_FIELDS):
+        value = getattr(spec, name)
+        optional = name in _OPTIONAL_POSITIVE_FLOAT_FIELDS
+        if (value is None and optional) or (_is_real(value) and math.isfinite(value) and value > 0):
+            continue
+        out.append(
+            f"{name} must be a finite positive number{' or None' if optional else ''}, got "
+            f"{value!r}"
+        )
+    slopes = spec.alibi_slopes
+    if slopes is not None and not (
+        isinstance(slopes, tuple) and all(_is_real(s) and math.isfinite(s) for s in slopes)
+    ):
+        out.append(
+            f"alibi_slopes must be finite numbers (one per query head) or None, got {slopes!r}"
+        )
+    for name in _BOOL_FIELDS:
+        value = getattr(spec, name)
+        if not isinstance(value, bool):
+            out.append(f"{name} must be a bool, got {value!r}")
+    if not isinstance(spec.dtype, torch.dtype):
+        out.append(f"dtype must be a torch.dtype, got {spec.dtype!r}")
+    if not isinstance(spec.kv_cache_dtype, str):
+        out.append(f"kv_cache_dtype must be a str, got {spec.kv_cache_dtype!r}")
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_floats(values: object) -> tuple[float, ...] | None:
+    """``values`` (a list, tuple, array or tensor of numbers) as a tuple of floats; None
+    when it is not one (a bool or a str is not a number)."""
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        return None
+    out = []
+    for value in values:  # type: ignore[attr-defined]
+        if isinstance(value, bool | str | bytes):
+            return None
+        try:
+            out.append(float(value))
+        except (TypeError, ValueError):
+            return None
+    return tuple(out)
 
 
 def alibi_slopes(num_heads: int) -> tuple[float, ...]:

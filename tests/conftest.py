@@ -50,14 +50,23 @@ def install_distribution(source: Path, target: Path) -> Path:
     return target
 
 
+class PluginSites(dict):
+    """name -> a directory holding the test plugin distribution tests/plugins/<name>,
+    installed on first use (a test pays only for the distributions it uses)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = install_distribution(PLUGINS / name, self.root / name)
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory):
     """name -> a directory holding that test plugin distribution, installed."""
-    root = tmp_path_factory.mktemp("plugin-site")
-    return {
-        name: install_distribution(PLUGINS / name, root / name)
-        for name in ("example", "broken", "duplicate")
-    }
+    return PluginSites(tmp_path_factory.mktemp("plugin-site"))
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from pagedkv.conformance.honesty import capability_problems
 from pagedkv.conformance.problem import build_problem, reference_output
 from pagedkv.conformance.report import report_paths, write_report
 from pagedkv.conformance.run import ConformanceRun
-from pagedkv.kv_write import write_rows_by_slot
 from pagedkv.registry import get_registry, reset_registry
+from pagedkv.toolkit.kv_write import write_rows_by_slot
 
 TORCH = pagedkv.get_backend("torch")
 
@@ -226,13 +226,17 @@ def _with_impl(impl):
 def test_a_raising_backend_is_a_failure_naming_the_call():
     result = run_scenario(_with_impl(_Raises), MIXED, "cpu", backend_label="custom")
     assert not result.passed
-    assert result.failures[0].startswith("forward raised RuntimeError: kernel launch failed (at ")
+    first = result.failures[0]
+    assert first.check == "raised" and first.fields == {"call": "forward"}
+    assert first.message.startswith("forward raised RuntimeError: kernel launch failed (at ")
+    # located in the test's own frame, not in a library
+    assert f"(at {__file__}:" in first.message
     assert "RuntimeError" in result.report()
 
 
 def test_a_written_padding_row_is_named():
     result = run_scenario(_with_impl(_PadWriter), MIXED, "cpu", backend_label="custom")
-    text = "\n".join(result.failures)
+    text = "\n".join(f.message for f in result.failures)
     # the pool's last block is either unreferenced (NaN poison) or some request's tail
     assert "was written (e.g. a -1 padding slot" in text or "holds a padding row" in text, text
 

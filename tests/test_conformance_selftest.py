@@ -1,7 +1,8 @@
 """The harness tests itself: the suite, run as a third party runs it (an installed
 plugin distribution, ``pytest --pyargs pagedkv.conformance`` from a temporary
-directory), must fail each deliberately broken backend and point at its bug, pass
-the torch backend, and skip an unavailable one with its reason."""
+directory), must fail each deliberately broken backend and point at its bug (each
+diagnosis hint is checked against the bug it names), pass the torch backend, and
+fail a requested backend that is unavailable, with its reason."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = [
     "broken_block_table",
+    "broken_full_block",
     "broken_last_token",
     "broken_gqa",
     "broken_window",
     "broken_write_offset",
     "broken_unreferenced_read",
     "broken_scale",
+    "broken_decode_window",
 ]
 PLUGIN_SCENARIO = "plugin-tiny-requests-quick"
 
@@ -53,7 +56,8 @@ def _run(args: list[str], site: Path, cwd: Path, timeout: int = 600):
 def suite(broken_backends_site, tmp_path_factory):
     """One quick-level run over torch, every broken backend and an unavailable one."""
     cwd = tmp_path_factory.mktemp("third-party")
-    backends = [arg for name in ["torch", *BROKEN, "vendor_missing"] for arg in ("--backend", name)]
+    names = ["torch", *BROKEN, "broken_copy_axis", "vendor_missing"]
+    backends = [arg for name in names for arg in ("--backend", name)]
     proc = _run(
         [
             "-m",
@@ -84,12 +88,12 @@ def _failed(cells, backend: str) -> set[str]:
 
 
 def _requests_named(cell) -> set[int]:
-    """Requests the failure lines list as wrong ("in requests [1, 3] (2)")."""
-    found: set[int] = set()
-    for line in cell["failures"]:
-        for group in re.findall(r"in requests \[([\d, ]*)\]", line):
-            found |= {int(x) for x in group.split(",") if x.strip()}
-    return found
+    """Requests the failures name as wrong (their structured "requests" field)."""
+    return {r for failure in cell["failures"] for r in failure.get("requests", [])}
+
+
+def _hints(cells, backend: str, scenario: str) -> str:
+    return "\n".join(cells[(backend, scenario)]["hints"])
 
 
 def test_the_suite_fails_and_the_control_passes(suite):
@@ -103,15 +107,16 @@ def test_the_suite_fails_and_the_control_passes(suite):
     assert "reproduce: python -c" in proc.stdout
 
 
-def test_an_unavailable_backend_is_skipped_with_its_reason(suite):
+def test_a_requested_unavailable_backend_fails_with_its_reason(suite):
     proc, data, cells = suite
     entry = data["backends"]["vendor_missing"]
-    assert entry["requested"] and not entry["available"]
+    assert entry["requested"] and not entry["available"] and entry["fails_run"]
     assert entry["reason"] == "vendor runtime libpagedkv_vendor.so not found"
     assert (
-        "vendor_missing: REQUESTED BUT UNAVAILABLE: vendor runtime libpagedkv_vendor.so not found"
-        in proc.stdout
+        "vendor_missing: REQUESTED BUT UNAVAILABLE: vendor runtime libpagedkv_vendor.so not found "
+        "(fails the run; --pagedkv-allow-unavailable skips it instead)" in proc.stdout
     )
+    assert "FAILED " in proc.stdout and "test_scenario[vendor_missing:unavailable]" in proc.stdout
     assert not [c for (b, _), c in cells.items() if b == "vendor_missing"]  # nothing ran
     assert re.search(r"\d+ failed, \d+ passed, \d+ skipped", proc.stdout)
 
@@ -122,6 +127,22 @@ def test_ignoring_the_block_table_fails_exactly_the_multi_block_requests(suite):
     seq_lens = data["scenarios"]["decode"]["seq_lens"]
     multi_block = {i for i, s in enumerate(seq_lens) if s > 16}
     assert multi_block and _requests_named(cell) == multi_block
+    assert "exactly those spanning more than one block" in _hints(
+        cells, "broken_block_table", "decode"
+    )
+
+
+def test_a_wrong_full_last_block_is_named_by_its_pattern(suite):
+    _, data, cells = suite
+    for scenario in ("decode", "prefill"):
+        cell = cells[("broken_full_block", scenario)]
+        seq_lens = data["scenarios"][scenario]["seq_lens"]
+        assert _requests_named(cell) == {i for i, s in enumerate(seq_lens) if s % 16 == 0}
+        assert "every failing request has a full last block" in _hints(
+            cells, "broken_full_block", scenario
+        )
+    # the hint appears only where the pattern holds
+    assert "full last block" not in _hints(cells, "broken_last_token", "decode")
 
 
 def test_dropping_the_last_token_fails_every_request_longer_than_one(suite):
@@ -129,6 +150,11 @@ def test_dropping_the_last_token_fails_every_request_longer_than_one(suite):
     cell = cells[("broken_last_token", "decode")]
     seq_lens = data["scenarios"]["decode"]["seq_lens"]
     assert _requests_named(cell) == {i for i, s in enumerate(seq_lens) if s > 1}
+    (output,) = [f for f in cell["failures"] if f["check"] == "output"]
+    assert output["seq_lens"] == [s for s in seq_lens if s > 1]
+    assert output["query_lens"] == [1] * len(output["seq_lens"])
+    assert "one key fewer" in _hints(cells, "broken_last_token", "decode")
+    assert "one key fewer" not in _hints(cells, "broken_gqa", "decode")
 
 
 def test_a_wrong_gqa_mapping_fails_grouped_heads_only(suite):
@@ -137,7 +163,10 @@ def test_a_wrong_gqa_mapping_fails_grouped_heads_only(suite):
     assert cells[("broken_gqa", "mqa")]["status"] == "pass"
     assert cells[("broken_gqa", "gqa-5")]["status"] == "fail"
     # 8 query heads on 2 KV heads: h % 2 != h // 4 for heads 1, 3, 4 and 6
-    assert "query heads [1, 3, 4, 6] (4)" in cells[("broken_gqa", "decode")]["failures"][0]
+    (output,) = cells[("broken_gqa", "decode")]["failures"]
+    assert output["heads"] == [1, 3, 4, 6] and "query heads [1, 3, 4, 6] (4)" in output["message"]
+    assert "the kernel seems to use h % num_kv_heads" in _hints(cells, "broken_gqa", "decode")
+    assert "h % num_kv_heads" not in _hints(cells, "broken_window", "sliding-window")
 
 
 def test_an_ignored_window_fails_exactly_the_window_scenarios(suite):
@@ -145,6 +174,33 @@ def test_an_ignored_window_fails_exactly_the_window_scenarios(suite):
     window = {n for n, s in data["scenarios"].items() if "sliding_window" in s["tags"]}
     assert "window-smaller-than-block" in window
     assert _failed(cells, "broken_window") == window
+    for scenario in window:
+        assert "without the sliding window" in _hints(cells, "broken_window", scenario)
+
+
+def test_a_decode_path_ignoring_the_window_fails_even_refusing_small_windows(suite):
+    """The window scenario with decodes far past the window is the one that catches a
+    decode kernel without the window, when the backend refuses windows smaller than
+    its block size (the scenario with decodes inside a block is then n/a)."""
+    _, data, cells = suite
+    assert cells[("broken_decode_window", "window-smaller-than-block")]["status"] == "n/a"
+    assert _failed(cells, "broken_decode_window") == {"sliding-window-decode"}
+    hints = _hints(cells, "broken_decode_window", "sliding-window-decode")
+    assert "without the sliding window" in hints
+    layer = data["scenarios"]["sliding-window-decode"]["layer"]
+    assert layer["sliding_window"] >= layer["block_size"]
+
+
+def test_a_copy_along_the_wrong_axis_is_named(suite):
+    _, _, cells = suite
+    checks = [c for c in suite[1]["checks"] if c["subject"] == "broken_copy_axis"]
+    copy = next(c for c in checks if c["check"] == "copy_blocks")
+    assert copy["status"] == "fail"
+    assert copy["problems"][-1] == (
+        "hint: the cache equals the copy along axis 2 of the kv_cache tensor (shape (2, 8, 16, 2, "
+        "64)): copy_blocks indexes axis 2, but blocks are on axis 1 (AttentionBackend.block_axis)"
+    )
+    assert not _failed(cells, "broken_copy_axis")  # its attention is right
 
 
 def test_writing_one_slot_off_is_named_by_the_cache_check(suite):
@@ -152,24 +208,39 @@ def test_writing_one_slot_off_is_named_by_the_cache_check(suite):
     assert _failed(cells, "broken_write_offset") == {
         s for (b, s) in cells if b == "broken_write_offset"
     }
-    lines = cells[("broken_write_offset", "prefill")]["failures"]
-    cache = [line for line in lines if line.startswith("cache K of request")]
-    assert cache and "(the slot is computed off by +1)" in cache[0]
+    failures = cells[("broken_write_offset", "prefill")]["failures"]
+    cache = [f for f in failures if f["check"] == "cache" and f["tensor"] == "K"]
+    assert cache and "(the slot is computed off by +1)" in cache[0]["message"]
+    assert cache[0]["slot_shift"] == 1 and cache[0]["request"] == 0
 
 
 def test_reading_an_unreferenced_block_shows_as_poison_in_the_output(suite):
     _, _, cells = suite
     failures = cells[("broken_unreferenced_read", "decode")]["failures"]
     assert any(
-        "non-finite output" in f and "read a block the request's table does not name" in f
+        f["check"] == "non-finite-output"
+        and "read a block the request's table does not name" in f["message"]
         for f in failures
     )
-    assert not any(f.startswith("cache") for f in failures)  # its writes are right
+    assert not any(f["check"] == "cache" for f in failures)  # its writes are right
 
 
 def test_a_wrong_softmax_scale_fails_the_custom_scale_scenario(suite):
     _, _, cells = suite
     assert _failed(cells, "broken_scale") == {"custom-scale"}
+    assert "the kernel derives its own scale" in _hints(cells, "broken_scale", "custom-scale")
+
+
+def test_the_json_report_has_structured_failures_and_layers(suite):
+    _, data, cells = suite
+    assert data["format_version"] == 2
+    (output,) = cells[("broken_scale", "custom-scale")]["failures"]
+    assert output["check"] == "output"
+    for key in ("request", "seq_len", "query_len", "token", "position", "head", "kv_head", "dim"):
+        assert isinstance(output[key], int), key
+    assert output["abs_error"] > 0.005 and output["elements"] > 0
+    layer = data["scenarios"]["custom-scale"]["layer"]
+    assert layer["scale"] == 0.2125 and layer["num_heads"] == 8 and layer["dtype"] == "float16"
 
 
 def test_plugin_scenarios_and_cross_backend_comparison(suite):
@@ -240,7 +311,11 @@ def test_pagedkv_conform_shows_progress_and_the_matrix(broken_backends_site, tmp
         timeout=300,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"\[ +\d+/\d+\] pass copy_blocks torch", proc.stderr)
+    assert re.search(r"\[ +\d+/\d+\] pass copy_blocks torch \(\d+\.\d+s, ETA \d+s\)", proc.stderr)
+    deselected = re.search(r"(\d+) tests selected, (\d+) deselected by -k", proc.stderr)
+    assert deselected and int(deselected[2]) > 0
+    # each backend's summary counts what -k left out
+    assert re.search(r"torch: 1 passed, 0 failed, \d+ deselected of \d+ scenarios", proc.stdout)
     assert "[broken_scale] scenario custom-scale: FAIL" in proc.stdout
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line}
     assert rows["scenario"] == ["torch", "broken_scale"]

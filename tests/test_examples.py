@@ -35,8 +35,22 @@ def test_plugin_template_installs_and_conforms(tmp_path, monkeypatch):
         from pagedkv.conformance import Scenario, run_scenario
 
         backend = pagedkv.get_backend("my_backend")
+        assert backend.layout == "(num_blocks, block_size, num_kv_heads, 2, head_size)"
         scenario = Scenario("template", seq_lens=(20, 33), query_lens=(1, 33), sliding_window=8)
         assert run_scenario(backend, scenario, "cpu").passed
     finally:
-        sys.modules.pop("my_backend", None)
+        for name in [m for m in sys.modules if m == "my_backend" or m.startswith("my_backend.")]:
+            sys.modules.pop(name)
         reset_registry()
+
+
+def test_plugin_template_uses_only_the_documented_api():
+    """The template is what authors copy: it may import pagedkv's documented API
+    (the top-level names, the layout axes, the toolkit), never a backend's internals."""
+    allowed = ("pagedkv", "pagedkv.layout", "pagedkv.toolkit.")
+    for path in (EXAMPLES / "plugin_template" / "my_backend").glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:1] in (["import"], ["from"]) and words[1].startswith("pagedkv"):
+                module = words[1]
+                assert module in allowed or module.startswith(allowed[-1]), (path.name, line)

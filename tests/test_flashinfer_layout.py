@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from pagedkv import AttentionSpec, CommonAttentionMetadata, ConfigError, MetadataError
 from pagedkv.backends.flashinfer import backend as fi_backend
 from pagedkv.backends.flashinfer.backend import FlashInferBackend, jit_toolchain_problem
-from pagedkv.backends.flashinfer.metadata import paged_kv_csr, split_batch
+from pagedkv.backends.flashinfer.metadata import decode_rows_csr, paged_kv_csr, split_batch
+from pagedkv.layout import BLOCK_HND
 from pagedkv.selection import parse_config
 
 
@@ -90,6 +91,23 @@ def test_split_keeps_token_order_and_uses_slices_when_contiguous():
     assert everything.prefill.qo_indptr.tolist() == [0, 1, 2, 5]
 
 
+def test_graph_decode_rows_pad_with_the_null_page():
+    # requests: decode, no query token this step, decode over an exact page multiple
+    common = CommonAttentionMetadata.from_requests(
+        [5, 9, 8], [1, 0, 1], [[1, 2], [3, 4, 5], [6, 7]], 4, num_tokens=4
+    )
+    csr = decode_rows_csr(common, 5)
+    # one FlashInfer request per token row: rows 0 and 1 are requests 0 and 2
+    assert csr.indptr.tolist() == [0, 2, 4, 5, 6, 7]
+    assert csr.indices.tolist() == [1, 2, 6, 7, 0, 0, 0]
+    assert csr.last_page_len.tolist() == [1, 4, 1, 1, 1]
+    with pytest.raises(MetadataError, match="2 query rows exceed the 1 rows"):
+        decode_rows_csr(common, 1)
+    prefill = CommonAttentionMetadata.from_requests([5, 9], [1, 3], [[1, 2], [3, 4, 5]], 4)
+    with pytest.raises(MetadataError, match="request 1 has 3 query tokens"):
+        decode_rows_csr(prefill, 4)
+
+
 # -- options and layouts -------------------------------------------------------------
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=4)
@@ -98,7 +116,8 @@ SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.floa
 def test_options_parse_from_a_config_string():
     choice = parse_config("flashinfer(kv_layout=HND, prefill_backend=fa2)")[0]
     backend = pagedkv.get_backend(choice.name, **choice.options)
-    assert backend.kv_layout == "HND" and backend.options["prefill_backend"] == "fa2"
+    assert backend.options["kv_layout"] == "HND" and backend.options["prefill_backend"] == "fa2"
+    assert backend.kv_layout is BLOCK_HND
     assert backend.layout == "(num_blocks, 2, num_kv_heads, block_size, head_size)"
     assert FlashInferBackend().layout == "(num_blocks, 2, block_size, num_kv_heads, head_size)"
     with pytest.raises(ConfigError, match=r"kv_layout='NCHW': expected one of NHD, HND"):
@@ -119,7 +138,7 @@ def test_logical_views_address_the_physical_layout(layout):
     block, slot, head = 3, 1, 1
     physical = (block, 1, slot, head) if layout == "NHD" else (block, 1, head, slot)
     assert torch.equal(v[block, slot, head], cache[physical])
-    with pytest.raises(pagedkv.UnsupportedError, match=f"kv_cache: expected the {layout} shape"):
+    with pytest.raises(pagedkv.UnsupportedError, match=f"kv_cache: expected the {layout} layout"):
         backend.kv_cache_to_logical(cache.transpose(2, 3), SPEC.replace(dtype=torch.float32))
 
 
@@ -131,10 +150,8 @@ def test_write_kv_lands_at_slots_and_skips_padding(layout):
     md = CommonAttentionMetadata.from_requests([6], [6], [[3, 1]], 4, num_tokens=8)
     key, value = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()
 
-    class _Metadata:  # write_kv reads only the common metadata's slot mapping
-        common = md
-
-    backend.make_impl(SPEC).write_kv(key, value, cache, _Metadata())
+    # the shared writer reads only the metadata's slot mapping
+    backend.make_impl(SPEC).write_kv(key, value, cache, pagedkv.BackendMetadata(md))
     k, v = backend.kv_cache_to_logical(cache, SPEC)
     assert torch.equal(k[3], key[:4]) and torch.equal(v[1, :2], value[4:6])
     # past the sequence's end, the other blocks and the padded rows: untouched zeros

@@ -6,7 +6,12 @@ FlashInfer's kernels need a GPU, so here its three wrappers are replaced by a mo
 of their documented plan()/run() contract (flashinfer 0.7.2 decode.py / prefill.py /
 attention/_core.py): the same constructor and plan() keyword names (an unknown one
 raises TypeError), the same paged-KV reading rules (CSR pages, last_page_len,
-NHD/HND 5-D caches, window_left inclusive, sm_scale * k_scale, out * v_scale).
+NHD/HND 5-D caches, window_left inclusive, sm_scale * k_scale, out * v_scale) and,
+for wrappers made with ``use_cuda_graph=True``, the fixed buffers: plan() copies into
+them (batch size fixed, indices within the buffer, total query rows fixed by the first
+plan) and run() reads them, as a replayed graph does. The model also holds the plans to
+what the backend promises FlashInfer: every planned request has at least one page, all
+of them inside the cache, and a last page of 1..page_size tokens.
 The real kernels are checked by tests/test_flashinfer_gpu.py.
 """
 
@@ -19,10 +24,19 @@ from types import SimpleNamespace
 import pagedkv
 import pytest
 import torch
-from pagedkv import AttentionSpec, CommonAttentionMetadata, UnsupportedError
+from graph_replay import DECODE_BOUNDS, DECODE_STEPS, replay_errors
+from pagedkv import (
+    AttentionSpec,
+    CommonAttentionMetadata,
+    GraphBounds,
+    MetadataError,
+    UnsupportedError,
+)
+from pagedkv.backends.flashinfer import builder as fi_builder
 from pagedkv.backends.flashinfer import impl as fi_impl
 from pagedkv.backends.flashinfer.backend import FlashInferBackend
-from pagedkv.conformance import Scenario, run_scenario
+from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
+from pagedkv.conformance.problem import build_problem, reference_output
 
 # -- a model of FlashInfer's wrappers ------------------------------------------------
 
@@ -50,7 +64,11 @@ def _attend(
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(len(last)):
         pages = indices[indptr[i] : indptr[i + 1]]
-        kv_len = max(len(pages) - 1, 0) * ps + last[i]
+        assert len(pages) >= 1 and 1 <= last[i] <= ps, (
+            f"request {i}: {len(pages)} pages, last {last[i]}"
+        )
+        assert int(pages.max()) < k_cache.shape[0], f"request {i} reads page {int(pages.max())}"
+        kv_len = (len(pages) - 1) * ps + last[i]
         k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
         v = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
         qi = q[qo[i] : qo[i + 1]].double()
@@ -75,6 +93,36 @@ def _attend(
 
 class _Wrapper:
     calls: list  # every (wrapper kind, method, kwargs), for the tests to inspect
+    graph = False
+
+    def _fixed_buffers(self, indptr, indices, last_page_len, qo_indptr=None):
+        """use_cuda_graph=True: the buffers every plan copies into and every run reads."""
+        self.graph = True
+        self.buffers = dict(indptr=indptr, indices=indices, last_page_len=last_page_len,
+                            qo_indptr=qo_indptr)  # fmt: skip
+        assert all(torch.is_tensor(b) for k, b in self.buffers.items() if k != "qo_indptr")
+        assert all(b.dtype == torch.int32 for b in self.buffers.values() if b is not None)
+        self.batch = len(last_page_len)
+        assert len(indptr) == self.batch + 1
+        self.max_rows = None
+
+    def _into_buffers(self, args):
+        """Graph mode: plan() copies into the fixed buffers; run() reads them."""
+        if not self.graph:
+            return args
+        b = self.buffers
+        assert len(args["last_page_len"]) == self.batch, "batch size is fixed in cudagraph mode"
+        assert len(args["indices"]) <= len(b["indices"]), "indices exceed the buffer"
+        rows = int(args["qo_indptr"][-1])
+        self.max_rows = rows if self.max_rows is None else self.max_rows
+        assert rows <= self.max_rows, "the first plan fixes the total rows in cudagraph mode"
+        b["indptr"].copy_(args["indptr"])
+        b["last_page_len"].copy_(args["last_page_len"])
+        b["indices"][: len(args["indices"])].copy_(args["indices"])
+        if b["qo_indptr"] is not None:
+            b["qo_indptr"].copy_(args["qo_indptr"])
+        return dict(args, indptr=b["indptr"], indices=b["indices"],
+                    last_page_len=b["last_page_len"])  # fmt: skip
 
     def _check_run(self, q, kv_cache, out):
         assert self.plan_args is not None, "run() before plan()"
@@ -105,14 +153,11 @@ class FakeDecode(_Wrapper):
         backend="auto",
         jit_args=None,
     ):
-        self.layout, self.graph, self.tensor_cores = kv_layout, use_cuda_graph, use_tensor_cores
-        self.buffers = (
-            paged_kv_indptr_buffer,
-            paged_kv_indices_buffer,
-            paged_kv_last_page_len_buffer,
-        )
+        self.layout, self.use_tensor_cores = kv_layout, use_tensor_cores
         if use_cuda_graph:
-            assert all(torch.is_tensor(b) for b in self.buffers), "cudagraph needs buffers"
+            self._fixed_buffers(
+                paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+            )
         self.plan_args = None
         self.calls.append(("decode", "init", {"use_cuda_graph": use_cuda_graph}))
 
@@ -137,9 +182,6 @@ class FakeDecode(_Wrapper):
         non_blocking=True,
     ):
         batch = len(last_page_len)
-        if self.graph:
-            assert batch == len(self.buffers[2]), "batch size is fixed in cudagraph mode"
-            assert len(indices) <= len(self.buffers[1]), "indices exceed the buffer"
         self.plan_args = dict(
             indptr=indptr,
             indices=indices,
@@ -156,6 +198,7 @@ class FakeDecode(_Wrapper):
             sm_scale=sm_scale or head_dim**-0.5,
         )
         self.calls.append(("decode", "plan", dict(self.plan_args, pos=pos_encoding_mode)))
+        self.plan_args = self._into_buffers(self.plan_args)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None):
         assert not args, "the decode wrapper takes no extra run() arguments here"
@@ -195,7 +238,16 @@ class FakePrefill(_Wrapper):
     ):
         assert backend in ("auto", "fa2", "fa3")
         self.layout, self.plan_args = kv_layout, None
-        self.calls.append((self.kind, "init", {"backend": backend}))
+        if use_cuda_graph:
+            self._fixed_buffers(
+                paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf, qo_indptr_buf
+            )
+            assert torch.is_tensor(qo_indptr_buf), (
+                "the prefill wrapper's graph mode needs qo_indptr_buf"
+            )
+        self.calls.append(
+            (self.kind, "init", {"backend": backend, "use_cuda_graph": use_cuda_graph})
+        )
 
     def plan(
         self,
@@ -240,6 +292,7 @@ class FakePrefill(_Wrapper):
             sm_scale=sm_scale or head_dim_qk**-0.5,
         )
         self.calls.append((self.kind, "plan", dict(self.plan_args, causal=causal)))
+        self.plan_args = self._into_buffers(self.plan_args)
 
     def run(
         self,
@@ -295,7 +348,16 @@ class FakeSink(FakePrefill):
         head_dim_vo=128,
         window_left=-1,
     ):
-        super().__init__(float_workspace_buffer, kv_layout, backend=backend)
+        super().__init__(
+            float_workspace_buffer,
+            kv_layout,
+            use_cuda_graph=use_cuda_graph,
+            qo_indptr_buf=qo_indptr_buf,
+            paged_kv_indptr_buf=paged_kv_indptr_buf,
+            paged_kv_indices_buf=paged_kv_indices_buf,
+            paged_kv_last_page_len_buf=paged_kv_last_page_len_buf,
+            backend=backend,
+        )
         self.built = dict(q=q_data_type, kv=kv_data_type, d=head_dim_qk, window_left=window_left)
 
     def plan(self, *args, **kwargs):
@@ -320,8 +382,8 @@ def calls(monkeypatch):
         BatchPrefillWithPagedKVCacheWrapper=FakePrefill,
         BatchAttentionWithAttentionSinkWrapper=FakeSink,
     )
-    monkeypatch.setattr(fi_impl, "load_flashinfer", lambda: fake)
-    monkeypatch.setattr(fi_impl, "WORKSPACE_BYTES", 1024)  # no 128 MiB on the test host
+    monkeypatch.setattr(fi_builder, "load_flashinfer", lambda: fake)
+    monkeypatch.setattr(fi_builder, "WORKSPACE_BYTES", 1024)  # no 128 MiB on the test host
     return log
 
 
@@ -387,7 +449,7 @@ def test_plan_arguments(calls):
     builder.build(common)
     plans = {c[0]: c[2] for c in calls if c[1] == "plan"}
     inits = {c[0]: c[2] for c in calls if c[1] == "init"}
-    assert inits["prefill"] == {"backend": "fa2"}
+    assert inits["prefill"] == {"backend": "fa2", "use_cuda_graph": False}
     decode, prefill = plans["decode"], plans["prefill"]
     assert decode["window_left"] == prefill["window_left"] == 19  # inclusive bound: w - 1
     assert decode["logits_soft_cap"] == 30.0 and decode["sm_scale"] == 64**-0.5
@@ -426,48 +488,118 @@ def _decode_setup():
     return builder, impl, cache
 
 
-def test_cuda_graph_build_uses_a_fixed_buffer_wrapper_per_batch_size(calls):
+# -- CUDA graphs: padded pure-decode steps on fixed buffers ------------------------------
+
+BOUNDS = GraphBounds(max_num_reqs=4, max_num_tokens=6, max_blocks_per_req=3)
+
+
+def test_graph_steps_plan_one_fixed_buffer_wrapper_sized_from_the_bounds(calls):
     builder, impl, cache = _decode_setup()
+    builder.reserve_cuda_graph(BOUNDS)
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    step1 = CommonAttentionMetadata.from_requests([5, 9, 2], [1, 1, 1], tables, block_size=4)
-    step2 = CommonAttentionMetadata.from_requests([6, 10, 3], [1, 1, 1], tables, block_size=4)
-    md1 = builder.build(step1, cuda_graph=True)
-    md2 = builder.build(step2, cuda_graph=True)
-    graph_inits = [c for c in calls if c[1] == "init" and c[2].get("use_cuda_graph")]
-    assert len(graph_inits) == 1  # one wrapper for batch size 3, re-planned
-    assert [c[0] for c in calls if c[1] == "init"] == ["decode"]  # no prefill wrapper made
-    assert md2.cuda_graph and md2.launches[0].rows == slice(0, 3)
-    q = torch.randn(3, 4, 64).half()
-    impl.forward(q, None, None, cache, md2)
+    step_a = CommonAttentionMetadata.from_requests([5, 9, 2], [1, 1, 1], tables, block_size=4)
+    # fewer requests, one of them without a query token this step
+    step_b = CommonAttentionMetadata.from_requests([12, 7], [1, 0], tables[:2], block_size=4)
+    md_a = builder.build(step_a)
+    wrapper = md_a.launches[0].planned.wrapper
+    md_b = builder.build(step_b)
+    inits = [c for c in calls if c[1] == "init"]
+    assert inits == [("decode", "init", {"use_cuda_graph": True})]  # one wrapper, re-planned
+    # min(4 requests, 6 rows) = 4 FlashInfer requests, one per token row
+    assert [len(b) for b in wrapper.buffers.values() if b is not None] == [5, 12, 4]
+    assert md_b.cuda_graph and md_b.launches[0].rows == slice(0, 4)
+    assert md_b.launches[0].planned.wrapper is wrapper
+    plan_b = [c[2] for c in calls if c[1] == "plan"][-1]
+    # row 0 reads request 0's pages; rows 1..3 are padding: the null block, one token
+    assert plan_b["indptr"].tolist() == [0, 3, 4, 5, 6]
+    assert plan_b["indices"].tolist() == [1, 2, 3, 0, 0, 0]
+    assert plan_b["last_page_len"].tolist() == [4, 1, 1, 1]
+    q = torch.randn(6, 4, 64).half()
+    impl.forward(q, None, None, cache, md_b)
     with pytest.raises(UnsupportedError, match="stale FlashInfer plan"):
-        impl.forward(q, None, None, cache, md1)
+        impl.forward(q, None, None, cache, md_a)
 
 
-def test_cuda_graph_build_rejects_non_decode_steps_and_overflow(calls):
+def _graph_run(scenario, layout):
+    """Reserve, build the scenario's step into the graph buffers, attend, compare."""
+    problem = build_problem(scenario, "cpu")
+    backend = CPUFlashInfer(kv_layout=layout)
+    spec = problem.spec
+    cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
+    builder, impl = backend.make_builder(spec, "cpu"), backend.make_impl(spec, sinks=problem.sinks)
+    context = pagedkv.BackendMetadata(problem.context)  # the writer needs only its slots
+    keys = [
+        k[: s - q]
+        for k, s, q in zip(problem.keys, scenario.seq_lens, scenario.query_lens, strict=True)
+    ]
+    values = [
+        v[: s - q]
+        for v, s, q in zip(problem.values, scenario.seq_lens, scenario.query_lens, strict=True)
+    ]
+    impl.write_kv(torch.cat(keys), torch.cat(values), cache, context)
+    width = max(len(ids) for ids in problem.block_ids) + 1
+    builder.reserve_cuda_graph(
+        GraphBounds(max_num_reqs=len(scenario.seq_lens) + 2, max_num_tokens=problem.common.num_tokens + 3,
+                    max_blocks_per_req=width)
+    )  # fmt: skip
+    md = builder.build(problem.common)
+    rows = md.num_tokens
+    pad = lambda t: torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])  # noqa: E731
+    out = impl.forward(pad(problem.query), pad(problem.new_key), pad(problem.new_value), cache, md)
+    n = problem.common.num_actual_tokens
+    expected = reference_output(problem)
+    tol = TOLERANCES[spec.dtype]
+    err = (out[:n].double() - expected).abs()
+    assert bool((err <= tol.atol + tol.rtol * expected.abs()).all()), float(err.max())
+    return md
+
+
+DECODES = dict(seq_lens=(1, 17, 33, 64, 40), query_lens=(1, 1, 1, 1, 1))
+GRAPH_SCENARIOS = [
+    Scenario("graph-decode", **DECODES, num_padding_tokens=1),
+    Scenario("graph-decode-empty-request", seq_lens=(9, 30, 16), query_lens=(1, 0, 1)),
+    Scenario("graph-gqa5-window-softcap", **DECODES, num_heads=10, sliding_window=20,
+             logits_soft_cap=5.0),
+    Scenario("graph-fp8-e4m3", **DECODES, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0),
+    Scenario("graph-sinks", **DECODES, use_sinks=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("scenario", GRAPH_SCENARIOS, ids=lambda s: s.name)
+def test_graph_steps_match_the_reference(calls, scenario, layout):
+    md = _graph_run(scenario, layout)
+    (launch,) = md.launches
+    kind = "sink" if scenario.use_sinks else "decode"
+    init = {"use_cuda_graph": True} | ({"backend": "auto"} if scenario.use_sinks else {})
+    assert [c for c in calls if c[1] == "init"] == [(kind, "init", init)]
+    assert launch.pass_sinks == scenario.use_sinks and launch.planned.wrapper.graph
+
+
+def test_graph_reservations_are_pure_decode(calls):
     builder, _impl, _cache = _decode_setup()
+    with pytest.raises(UnsupportedError, match="declares graph support pure_decode"):
+        builder.reserve_cuda_graph(
+            GraphBounds(max_num_reqs=2, max_num_tokens=8, max_blocks_per_req=2, max_query_len=4)
+        )
+    builder.reserve_cuda_graph(BOUNDS)
     mixed = CommonAttentionMetadata.from_requests([5, 9], [1, 3], [[1, 2], [3, 4, 5]], 4)
-    with pytest.raises(UnsupportedError, match=r"pure-decode step .* query lengths \[1, 3\]"):
-        builder.build(mixed, cuda_graph=True)
-    empty_req = CommonAttentionMetadata.from_requests([5, 9], [1, 0], [[1, 2], [3, 4, 5]], 4)
-    with pytest.raises(UnsupportedError, match="pure-decode"):
-        builder.build(empty_req, cuda_graph=True)
-    small = CommonAttentionMetadata.from_requests([4, 4], [1, 1], [[1], [2]], 4)
-    builder.build(small, cuda_graph=True)  # sizes the buffers: 2 requests x 1 block
-    grown = CommonAttentionMetadata.from_requests([5, 5], [1, 1], [[1, 3], [2, 4]], 4)
-    with pytest.raises(UnsupportedError, match="needs 4 pages .* sized for 2"):
-        builder.build(grown, cuda_graph=True)
+    with pytest.raises(MetadataError, match="max_query_len = 3 exceeds the CUDA-graph reservation"):
+        builder.build(mixed)
+    wide = CommonAttentionMetadata.from_requests([13], [1], [[1, 2, 3, 4]], 4)
+    with pytest.raises(MetadataError, match="needs 4 blocks but the CUDA-graph reservation"):
+        builder.build(wide)
 
 
-def test_capture_refuses_metadata_built_without_cuda_graph(calls, monkeypatch):
+def test_capture_refuses_metadata_built_without_a_reservation(calls, monkeypatch):
     builder, impl, cache = _decode_setup()
     md = builder.build(CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4))
     monkeypatch.setattr(fi_impl, "_capturing", lambda: True)
-    with pytest.raises(UnsupportedError, match="without cuda_graph=True"):
+    with pytest.raises(UnsupportedError, match="built without a reservation"):
         impl.forward(torch.randn(1, 4, 64).half(), None, None, cache, md)
-    graph_md = builder.build(
-        CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4), cuda_graph=True
-    )
-    impl.forward(torch.randn(1, 4, 64).half(), None, None, cache, graph_md)
+    builder.reserve_cuda_graph(BOUNDS)
+    graph_md = builder.build(CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4))
+    impl.forward(torch.randn(6, 4, 64).half(), None, None, cache, graph_md)
 
 
 def test_forward_rejects_a_cache_of_the_other_layout(calls):
@@ -479,7 +611,7 @@ def test_forward_rejects_a_cache_of_the_other_layout(calls):
         CommonAttentionMetadata.from_requests([5], [1], [[1, 2]], 4)
     )
     wrong = hnd.allocate_kv_cache(4, spec, "cpu")
-    with pytest.raises(UnsupportedError, match=r"kv_cache: expected the NHD shape"):
+    with pytest.raises(UnsupportedError, match=r"kv_cache: expected the NHD layout"):
         nhd.make_impl(spec).forward(torch.randn(1, 4, 64).half(), None, None, wrong, md)
     fp8 = torch.zeros(nhd.get_kv_cache_shape(4, 4, 2, 64), dtype=torch.float8_e4m3fn)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float16"):
@@ -488,4 +620,12 @@ def test_forward_rejects_a_cache_of_the_other_layout(calls):
 
 def test_registered_under_its_entry_point():
     backend = pagedkv.get_backend("flashinfer", kv_layout="HND")
-    assert isinstance(backend, FlashInferBackend) and backend.kv_layout == "HND"
+    assert isinstance(backend, FlashInferBackend) and backend.options["kv_layout"] == "HND"
+
+
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["plain", "sinks"])
+def test_the_gpu_graph_check_runs_on_the_model(calls, use_sinks):
+    """tests/test_flashinfer_gpu.py's graph steps, each "replay" an eager forward."""
+    steps = [s.replace(use_sinks=use_sinks) for s in DECODE_STEPS]
+    results = replay_errors(CPUFlashInfer(prefill_backend="fa2"), steps, DECODE_BOUNDS, "cpu")
+    assert len(results) == len(steps) + 1 and all(ok for _, _, ok in results), results

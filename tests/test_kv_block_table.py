@@ -25,12 +25,11 @@ def test_row_operations_and_commit():
     assert t.block_table_np[0].tolist() == [7, 3, 12, 25, 0] and t.num_blocks_per_row[0] == 4
     t.add_row([5], 1)  # replacing clears the old tail: unused entries are the null block
     assert t.block_table_np[1].tolist() == [5, 0, 0, 0, 0]
-    t.set_entry(0, 2, 30)
     # the device table only changes on commit, and only the committed rows
     assert t.block_table.abs().sum() == 0
     view = t.commit(1)
     assert view.shape == (1, 5) and view.dtype == torch.int32
-    assert t.block_table[0].tolist() == [7, 3, 30, 25, 0] and t.block_table[1].sum() == 0
+    assert t.block_table[0].tolist() == [7, 3, 12, 25, 0] and t.block_table[1].sum() == 0
     t.clear_row(0)
     assert t.block_table_np[0].sum() == 0 and t.num_blocks_per_row[0] == 0
 
@@ -42,8 +41,13 @@ def test_block_table_errors():
         t.append_row([3, 4], 0)
     with pytest.raises(KVCacheUsageError, match=r"row 2 is out of range \[0, 2\)"):
         t.append_row([1], 2)
-    with pytest.raises(KVCacheUsageError, match="no index 5"):
-        t.set_entry(0, 5, 1)
+    with pytest.raises(
+        KVCacheUsageError, match="row 1: block id 0 at position 1: .* block 0 is the null block"
+    ):
+        t.add_row([4, 0], 1)
+    with pytest.raises(KVCacheUsageError, match="block id -3 at position 0"):
+        t.append_row([-3], 1)
+    assert t.num_blocks_per_row[1] == 0  # nothing was written
     with pytest.raises(KVCacheUsageError, match="commit: num_reqs must be in"):
         t.commit(3)
     with pytest.raises(KVCacheUsageError, match="max_num_reqs must be a positive int"):

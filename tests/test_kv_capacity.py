@@ -99,7 +99,7 @@ def test_cli_by_hand_and_errors(capsys):
         main(["capacity", "--num-layers", "40", "--num-kv-heads", "40", "--head-size", "128"]) == 0
     )
     assert "819,200 B (800 KiB)" in capsys.readouterr().out
-    assert main(["capacity", "--num-layers", "40"]) == 1
+    assert main(["capacity", "--num-layers", "40"]) == 2
     assert "give --model" in capsys.readouterr().err
-    assert main(["capacity", "--model", "llama-3-8b", "--gpu-memory", "10"]) == 1
+    assert main(["capacity", "--model", "llama-3-8b", "--gpu-memory", "10"]) == 2
     assert "no room for a KV cache" in capsys.readouterr().err

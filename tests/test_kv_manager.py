@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from pagedkv.errors import DoubleFreeError, KVCacheUsageError, UnknownRequestError
-from pagedkv.kv import KVCacheManager, MultiModalSpan, Request
+from pagedkv.kv import BlockCopy, KVCacheManager, MultiModalSpan, Request
 from pagedkv.kv.hashing import BlockHasher, encode, encode_token_ids, get_hash_fn
 from pagedkv.kv.invariants import check_manager
 
@@ -19,15 +19,16 @@ def admit(manager: KVCacheManager, request: Request) -> list[int]:
     hits, num_hit = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hits)
     assert new is not None
-    request.num_computed_tokens = request.num_tokens
-    check_manager(manager)
+    request.num_computed_tokens = num_hit
+    manager.mark_computed(request, request.num_tokens - num_hit)  # the step ran
+    check_manager(manager, {request.request_id: request})
     return manager.get_block_ids(request.request_id)
 
 
 def decode(manager: KVCacheManager, request: Request, token: int) -> None:
     request.append_output_token_ids(token)
     assert manager.allocate_slots(request, 1) is not None
-    request.num_computed_tokens += 1
+    manager.mark_computed(request, 1)
     check_manager(manager)
 
 
@@ -141,48 +142,165 @@ def test_parallel_sampling_shares_the_prompt_like_the_chapter():
     prompt_blocks = admit(m, parent)
     samples = [parent]
     for cid in ("s2", "s3"):
-        samples.append(parent.fork(cid))
-        m.fork("s1", cid)
+        fork = m.fork(parent, cid)
+        assert fork.copies == ()  # full blocks are never written: nothing to copy
+        samples.append(fork.child)
     assert [m.block_pool.blocks[i].ref_cnt for i in prompt_blocks] == [3, 3, 3]
     for i, s in enumerate(samples):
         decode(m, s, 1000 + i)
     tails = {m.get_block_ids(s.request_id)[3] for s in samples}
     assert len(tails) == 3 and not tails & set(prompt_blocks)
-    assert m.take_copies() == []  # full blocks are never written: nothing to copy
     assert 31 - m.get_num_free_blocks() == 6  # instead of 12 without sharing
 
 
-def test_copy_on_write_of_a_partial_shared_block():
+def test_fork_copies_the_partly_filled_block_in_one_call():
     m = KVCacheManager(16, B, 256)
-    parent = Request("p", list(range(20)))  # block 1 holds 4 tokens
+    parent = Request("p", list(range(20)))  # block 1 holds 4 computed tokens
     p_blocks = admit(m, parent)
-    child = parent.fork("c")
-    m.fork("p", "c")
-    decode(m, child, 7)
-    copies = m.take_copies()
-    assert len(copies) == 1
-    (copy,) = copies
+    parent.append_output_token_ids(7)  # sampled, not computed yet: the child inherits it
+    free_before = m.get_num_free_blocks()
+    fork = m.fork(parent, "c")
+    child = fork.child
+    assert (child.request_id, child.all_token_ids, child.num_computed_tokens) == (
+        "c",
+        parent.all_token_ids,
+        20,
+    )
     c_blocks = m.get_block_ids("c")
-    assert (copy.request_id, copy.block_index, copy.src) == ("c", 1, p_blocks[1])
-    assert copy.dst == c_blocks[1] != p_blocks[1] and c_blocks[0] == p_blocks[0]
-    assert m.block_pool.blocks[p_blocks[1]].ref_cnt == 1
-    # the parent is now the only holder of its block: it writes in place, no copy
-    decode(m, parent, 8)
-    assert m.take_copies() == [] and m.get_block_ids("p") == p_blocks
+    assert fork.copies == (BlockCopy("c", 1, p_blocks[1], c_blocks[1]),)
+    assert c_blocks[0] == p_blocks[0] and c_blocks[1] != p_blocks[1]
+    assert m.get_num_free_blocks() == free_before - 1
+    assert [m.block_pool.blocks[i].ref_cnt for i in p_blocks] == [2, 1]
+    # both write their next token in place: no shared block is ever written
+    assert m.allocate_slots(parent, 1) == [] and m.allocate_slots(child, 1) == []
+    m.mark_computed(parent, 1)
+    m.mark_computed(child, 1)
+    assert m.get_block_ids("p") == p_blocks and m.get_block_ids("c") == c_blocks
+    check_manager(m, {"p": parent, "c": child})
     m.free(child)
     m.free(parent)
     assert m.get_num_free_blocks() == 15
 
 
-def test_pending_copies_of_a_freed_request_are_dropped():
-    m = KVCacheManager(16, B, 256)
-    parent = Request("p", list(range(20)))
-    admit(m, parent)
-    child = parent.fork("c")
-    m.fork("p", "c")
-    decode(m, child, 1)
-    m.free(child)
-    assert m.take_copies() == []
+def test_fork_without_a_free_block_changes_nothing():
+    m = KVCacheManager(3, 4, 64)  # 2 usable
+    parent = Request("p", list(range(6)))
+    admit(m, parent)  # both blocks; block 1 partly filled
+    before = [(b.ref_cnt, b.block_hash) for b in m.block_pool.blocks]
+    assert m.fork(parent, "c") is None
+    assert [(b.ref_cnt, b.block_hash) for b in m.block_pool.blocks] == before
+    assert "c" not in m.req_to_blocks
+    # a parent with only full computed blocks needs no free block
+    m2 = KVCacheManager(3, 4, 64)
+    full = Request("f", list(range(8)))
+    admit(m2, full)
+    assert m2.fork(full, "g").copies == ()
+
+
+def test_computed_tokens_advance_only_through_the_manager():
+    m = KVCacheManager(16, 4, 64)
+    a = Request("a", list(range(9)))
+    admit(m, a)
+    a.append_output_token_ids(1)
+    m.allocate_slots(a, 1)
+    a.num_computed_tokens += 1  # by hand: its blocks would never become hits
+    message = "num_computed_tokens is 10, but the manager counted 9 .* mark_computed"
+    for call in (lambda: m.allocate_slots(a, 1), lambda: m.mark_computed(a, 1)):
+        with pytest.raises(KVCacheUsageError, match=f"request 'a': {message}"):
+            call()
+    with pytest.raises(KVCacheUsageError, match=f"fork: request 'a': {message}"):
+        m.fork(a, "b")
+    a.num_computed_tokens = 9
+    m.mark_computed(a, 1)
+    check_manager(m, {"a": a})
+
+
+# -- the step's life cycle: what the prefix cache learns, and when ----------------------------
+
+
+def test_abort_before_the_step_leaves_no_prefix_hit():
+    m = KVCacheManager(16, 4, 64)
+    a = Request("a", list(range(10)))
+    assert m.allocate_slots(a, 10) is not None
+    m.free(a)  # aborted (or preempted, or its forward failed) before the step ran
+    assert m.get_computed_blocks(Request("b", list(range(10)))) == ([], 0)
+    check_manager(m)
+
+
+def test_only_computed_blocks_become_hits():
+    m = KVCacheManager(16, 4, 64)
+    a = Request("a", list(range(14)))
+    assert m.allocate_slots(a, 6) is not None  # first prefill chunk: tokens 0-5
+    assert m.num_cached_block["a"] == 0  # nothing is registered before the step ran
+    probe = Request("probe", list(range(14)))
+    assert m.get_computed_blocks(probe)[1] == 0
+    m.mark_computed(a, 6)
+    assert a.num_computed_tokens == 6 and m.get_computed_blocks(probe)[1] == 4
+    assert m.allocate_slots(a, 8) is not None  # second chunk, 6-13; then aborted
+    m.free(a)
+    # the computed block stays a hit; the two blocks the aborted chunk would have filled do not
+    assert m.get_computed_blocks(probe)[1] == 4
+    check_manager(m)
+
+
+def test_speculative_slots_register_only_accepted_tokens():
+    m = KVCacheManager(16, 4, 64)
+    r = Request("r", list(range(7)))
+    assert m.allocate_slots(r, 7) is not None
+    m.mark_computed(r, 7)
+    r.append_output_token_ids(100)  # sampled: position 7
+    # verify 1 token + 4 drafts (positions 8-11 in lookahead slots)
+    assert len(m.allocate_slots(r, 1, num_lookahead_tokens=4)) == 1
+    assert len(m.get_block_ids("r")) == 3
+    r.append_output_token_ids([101, 102])  # 2 of 4 drafts accepted
+    m.mark_computed(r, 1 + 2)  # positions 7, 8, 9 are right; 10 and 11 held rejected drafts
+    assert r.num_computed_tokens == 10 and m.num_cached_block["r"] == 2
+    r.append_output_token_ids(103)  # the bonus token
+    probe = Request("probe", [*range(7), 100, 101, 102, 103, 0, 0])
+    assert m.get_computed_blocks(probe)[1] == 8
+    check_manager(m, {"r": r})
+
+
+def test_mark_computed_misuse():
+    m = KVCacheManager(16, 4, 64)
+    r = Request("r", list(range(6)))
+    with pytest.raises(UnknownRequestError, match="mark_computed: request 'r' holds no blocks"):
+        m.mark_computed(r, 1)
+    m.allocate_slots(r, 6)
+    with pytest.raises(KVCacheUsageError, match="0 \\+ 9 computed tokens exceed the 8 slots"):
+        m.mark_computed(r, 9)
+    with pytest.raises(KVCacheUsageError, match="num_tokens must be an int >= 0, got -1"):
+        m.mark_computed(r, -1)
+    assert r.num_computed_tokens == 0
+    m.free(r)
+    with pytest.raises(DoubleFreeError, match="mark_computed: request 'r' was already freed"):
+        m.mark_computed(r, 1)
+
+
+def test_take_new_block_ids_is_one_pattern_for_every_step():
+    m = KVCacheManager(32, 4, 64)
+    a = Request("a", list(range(10)))
+    m.allocate_slots(a, 10)
+    assert m.take_new_block_ids("a") == m.get_block_ids("a")  # first time: all
+    m.mark_computed(a, 10)
+    b = Request("b", list(range(10)))
+    hits, num_hit = m.get_computed_blocks(b)
+    m.allocate_slots(b, 10 - num_hit, num_hit, hits)
+    assert m.take_new_block_ids("b") == m.get_block_ids("b")  # prefix hits included
+    assert m.take_new_block_ids("b") == []
+    a.append_output_token_ids([1, 2, 3])
+    before = m.get_block_ids("a")
+    m.allocate_slots(a, 3)  # grows into a new block
+    assert m.take_new_block_ids("a") == m.get_block_ids("a")[len(before) :] != []
+    m.mark_computed(a, 3)
+    fork = m.fork(a, "a2")
+    assert m.take_new_block_ids("a2") == m.get_block_ids("a2")  # a fork's first time: all
+    m.free(a)  # preempted; re-admitted later: all again
+    a.num_computed_tokens = 0
+    hits, num_hit = m.get_computed_blocks(a)
+    m.allocate_slots(a, a.num_tokens - num_hit, num_hit, hits)
+    assert m.take_new_block_ids("a") == m.get_block_ids("a")
+    check_manager(m, {"a": a, "b": b, "a2": fork.child})
 
 
 # -- allocation ------------------------------------------------------------------------------
@@ -210,8 +328,8 @@ def test_lookahead_slots_are_allocated_but_never_cached():
     r = Request("r", list(range(6)))
     new = m.allocate_slots(r, 6, num_lookahead_tokens=5)
     assert len(new) == 3  # 11 slots
-    assert m.num_cached_block["r"] == 1  # only block 0 holds known tokens
-    r.num_computed_tokens = 6
+    m.mark_computed(r, 6)
+    assert m.num_cached_block["r"] == 1  # only block 0 is full of computed tokens
     r.append_output_token_ids(list(range(13)))  # 19 tokens
     new = m.allocate_slots(r, 13, num_lookahead_tokens=5)
     assert len(m.get_block_ids("r")) == 5  # capped at max_model_len 20
@@ -248,14 +366,17 @@ def test_misuse_errors_name_the_problem():
         m.allocate_slots(r, 4)
     r.num_computed_tokens = 0
     assert m.allocate_slots(r, 8) is not None
-    r.num_computed_tokens = 8
+    m.mark_computed(r, 8)
     hits, n = m.get_computed_blocks(Request("r2", list(range(8))))
     with pytest.raises(KVCacheUsageError, match="only accepted on its first allocation"):
         m.allocate_slots(r, 0, n, hits)
     with pytest.raises(KVCacheUsageError, match="fork: request 'r' already holds blocks"):
-        m.fork("r", "r")
+        m.fork(r, "r")
     with pytest.raises(UnknownRequestError, match="fork: request 'ghost'"):
-        m.fork("ghost", "c")
+        m.fork(Request("ghost", [1]), "c")
+    with pytest.raises(KVCacheUsageError, match="request_id must be a non-empty str"):
+        m.fork(r, "")
+    assert m.block_pool.blocks[m.get_block_ids("r")[0]].ref_cnt == 1  # no failed fork touched it
     m.free(r)
     with pytest.raises(DoubleFreeError, match="'r' was already freed"):
         m.free(r)
@@ -273,7 +394,7 @@ def test_evicted_hit_is_rejected():
     m.free(a)
     b = Request("b", list(range(9)))
     hits, n = m.get_computed_blocks(b)
-    # evicts both and caches x's own blocks in them, under other hashes
+    # evicts both (x's own tokens will be written there)
     m.allocate_slots(Request("x", list(range(50, 62))), 12)
     with pytest.raises(KVCacheUsageError, match="no longer caches this request's prefix"):
         m.allocate_slots(b, b.num_tokens - n, n, hits)

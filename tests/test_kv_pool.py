@@ -119,6 +119,38 @@ def test_touch_shared_block_counts_references():
     check_pool(pool)
 
 
+def test_free_blocks_is_all_or_nothing():
+    pool = BlockPool(5)
+    held, gone, twice = pool.get_new_blocks(3)
+    pool.free_blocks([gone])
+    queue = ids(pool.free_block_queue.get_all_free_blocks())
+    with pytest.raises(DoubleFreeError, match=f"block {gone.block_id} is already free"):
+        pool.free_blocks([held, gone])
+    # listed more often than held: the second entry is the double free
+    with pytest.raises(DoubleFreeError, match=f"block {twice.block_id} is already free"):
+        pool.free_blocks([held, twice, twice])
+    assert held.ref_cnt == 1 and twice.ref_cnt == 1 and gone.ref_cnt == 0
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == queue
+    check_pool(pool)
+
+
+def test_shuffle_free_blocks_is_seeded_and_keeps_cached_blocks_last():
+    def order(seed):
+        pool = BlockPool(12)
+        cached = pool.get_new_blocks(2)
+        pool.cache_full_blocks(cached, [b"x", b"y"], 0, 2)
+        pool.free_blocks(cached)
+        pool.shuffle_free_blocks(seed)
+        check_pool(pool)
+        free = ids(pool.free_block_queue.get_all_free_blocks())
+        assert free[-2:] == ids(cached)  # still evicted last, in their order
+        return free[:-2]
+
+    assert order(1) == order(1) != order(2)
+    assert sorted(order(1)) == list(range(3, 12))
+    assert order(1) != sorted(order(1))
+
+
 def test_duplicate_hashes_are_kept_and_evicted_one_by_one():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)

@@ -131,7 +131,7 @@ def test_cli_trace_file_and_bad_block_sizes(tmp_path, capsys):
     argv += ["--no-plot", "--output", str(tmp_path / "x"), "--block-sizes", "16"]
     assert main(argv) == 0
     assert f"trace {trace}" in capsys.readouterr().out
-    assert main([*argv[:-1], "8,zero"]) == 1
+    assert main([*argv[:-1], "8,zero"]) == 2
     assert "--block-sizes" in capsys.readouterr().err
 
 

@@ -46,6 +46,9 @@ def test_build_errors():
     with pytest.raises(KVCacheUsageError, match="2 new requests need rows, but 1 of 2"):
         asm.build([ScheduledRequest("d", 0, 1, [4]), ScheduledRequest("e", 0, 1, [5])])
     assert asm.num_resident == 1
+    with pytest.raises(KVCacheUsageError, match="'d': new_block_ids: block id 0 at position 1"):
+        asm.build([ScheduledRequest("d", 0, 5, [4, 0])])  # block 0 is the null block
+    assert asm.num_resident == 1
     asm.add_request("c", [3])
     with pytest.raises(KVCacheUsageError, match="no free block-table row for 'd'"):
         asm.add_request("d", [4])
@@ -92,25 +95,16 @@ class Worker:
     def step(self, plan: list[tuple[Request, int]]) -> None:
         scheduled = []
         for request, num_new in plan:
-            new_ids: list[int] = []
             if request.request_id not in self.manager.req_to_blocks:
                 blocks, num_hit = self.manager.get_computed_blocks(request)
                 num_new -= num_hit
                 assert self.manager.allocate_slots(request, num_new, num_hit, blocks) is not None
-                request.num_computed_tokens = num_hit
-                new_ids = self.manager.get_block_ids(request.request_id)
             else:
-                new = self.manager.allocate_slots(request, num_new)
-                assert new is not None
-                new_ids = [b.block_id for b in new]
+                assert self.manager.allocate_slots(request, num_new) is not None
+            new_ids = self.manager.take_new_block_ids(request.request_id)
             scheduled.append(
                 ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, new_ids)
             )
-        copies = self.manager.take_copies()
-        if copies:  # copy-on-write: before any K/V of this step is written
-            self.num_copies += len(copies)
-            self.backend.copy_blocks(self.kv_cache, *copies_to_tensors(copies, "cpu"))
-            self.asm.apply_copies(copies)
         common = self.asm.build(scheduled, num_tokens=sum(s.num_new_tokens for s in scheduled) + 3)
         common.validate(num_blocks=24)
         queries, keys, values, dense_k, dense_v = [], [], [], [], []
@@ -142,7 +136,15 @@ class Worker:
             out[: common.num_actual_tokens].double(), ref, atol=2e-5, rtol=2e-5
         )
         for request, s in zip([r for r, _ in plan], scheduled, strict=True):
-            request.num_computed_tokens += s.num_new_tokens
+            self.manager.mark_computed(request, s.num_new_tokens)
+
+    def fork(self, parent: Request, child_id: str) -> Request:
+        fork = self.manager.fork(parent, child_id)
+        assert fork is not None
+        if fork.copies:  # copy-on-write: before the next step writes any K/V
+            self.num_copies += len(fork.copies)
+            self.backend.copy_blocks(self.kv_cache, *copies_to_tensors(fork.copies, "cpu"))
+        return fork.child
 
 
 def test_prefix_hit_and_copy_on_write_give_reference_attention():
@@ -155,10 +157,9 @@ def test_prefix_hit_and_copy_on_write_give_reference_attention():
     w.step([(a, 1), (b, 11)])
     assert w.manager.get_block_ids("b")[:2] == w.manager.get_block_ids("a")[:2]
     assert b.num_computed_tokens == 11
-    # parallel sampling: a2 shares a's blocks, incl. the partial third (positions 8-10)
-    a2 = a.fork("a2")
-    w.manager.fork("a", "a2")
-    w.asm.add_request("a2", w.manager.get_block_ids("a2"))
+    # parallel sampling: a2 shares a's two full blocks and gets a copy of the partial
+    # third (positions 8-10)
+    a2 = w.fork(a, "a2")
     a.append_output_token_ids(12)
     a2.append_output_token_ids(99)
     w.step([(a2, 1), (a, 1), (b, 0)])

@@ -136,6 +136,21 @@ def test_each_invariant_is_checked(mutate, message):
         md.validate(num_blocks=10)
 
 
+def test_scheduled_tokens_in_the_null_block_are_refused():
+    # request 1's only block is 0, the null block: its 3 scheduled tokens would write
+    # real K/V into the padding block of every table
+    md = CommonAttentionMetadata.from_requests([5, 3], [2, 3], [[4, 6], [0]], block_size=4)
+    with pytest.raises(MetadataError, match=r"slot_mapping\[2\] = 0 \(request 1\) is in block 0"):
+        md.validate(num_blocks=8)
+    # the slot mapping is right but the table maps the token to block 0
+    md = CommonAttentionMetadata.from_requests([5], [1], [[4, 6]], block_size=4)
+    bad_table = replace(md, block_table=torch.tensor([[4, 0]], dtype=torch.int32))
+    with pytest.raises(MetadataError, match=r"block_table\[0, 1\] = 0 \(request 0\) is the null"):
+        bad_table.validate(num_blocks=8)
+    # context (not scheduled) entries may be 0: only writes are refused
+    CommonAttentionMetadata.from_requests([9], [1], [[0, 0, 5]], block_size=4).validate(8)
+
+
 def test_from_requests_rejects_bad_input():
     with pytest.raises(MetadataError, match="request 0: need 0 <= query_len <= seq_len"):
         sample(seq_lens=[3, 20, 1])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from pagedkv import AttentionSpec, UnsupportedError
 from pagedkv.backends.mla import MLABackend, absorb_query, mla_attention, up_project
-from pagedkv.backends.mla.configs import choose_config, choose_splits
+from pagedkv.backends.mla.configs import SPLIT_POLICY, choose_config
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem, poison_cache, reference_output
 
@@ -136,7 +136,7 @@ def test_a_scale_from_the_latent_width_fails():
     assert run_scenario(MLABackend(), scenario, DEVICE).passed
     result = run_scenario(_WrongScale(), scenario, DEVICE)
     assert not result.passed
-    assert "differs from the float64 reference" in result.failures[0]
+    assert "differs from the float64 reference" in str(result.failures[0])
 
 
 def _model_level(dtype, w_uk_transform=lambda w: w):
@@ -266,19 +266,50 @@ def test_write_skips_negative_slots_and_keeps_other_slots():
     assert cache[:2].abs().sum() == 0 and cache[2, 3:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_write_matches_the_portable_quantisation(kv_cache_dtype):
-    from pagedkv.kv_write import quantize_for_cache
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
+def test_write_matches_the_portable_quantisation(kv_cache_dtype, use_triton):
+    """The latent write in one launch of the shared writer (kv_c and k_pe into the two
+    parts of the row, one scale) stores what quantize_for_cache gives the whole row."""
+    from pagedkv.toolkit.kv_write import quantize_for_cache
 
     spec = _spec(kv_cache_dtype=kv_cache_dtype, k_scale=0.37)
     backend, md, impl = _step(spec, seq_lens=(40,), query_lens=(40,), blocks=((1, 3, 2),))
     g = torch.Generator().manual_seed(2)
     latent = (torch.randn(40, 80, generator=g) * torch.logspace(-4, 2, 80)).half().to(DEVICE)
     cache = backend.allocate_kv_cache(4, spec, DEVICE)
-    impl.write_latent(latent[:, :64], latent[:, 64:], cache, md)
-    got = cache[[1, 3, 2]].flatten(0, 1)[:40].float()
-    want = quantize_for_cache(latent, spec.cache_dtype, 0.37).float()
-    assert torch.equal(got, want)  # same rounding (+0 and -0 compare equal)
+    impl.write_latent(latent[:, :64], latent[:, 64:], cache, md, use_triton=use_triton)
+    got = cache[[1, 3, 2]].flatten(0, 1)[:40]
+    want = quantize_for_cache(latent, spec.cache_dtype, 0.37)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # the same bits
+    assert cache[0].float().abs().sum() == 0 and cache[2, 8:].float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+def test_write_without_rope_part(use_triton):
+    spec = _spec(head_size=64, qk_rope_head_dim=0)
+    backend, md, impl = _step(spec, seq_lens=(3,), query_lens=(3,), blocks=((1,),))
+    cache = backend.allocate_kv_cache(2, spec, DEVICE)
+    kv_c = torch.randn(3, 64).half().to(DEVICE)
+    impl.write_latent(kv_c, kv_c[:, :0], cache, md, use_triton=use_triton)
+    assert torch.equal(cache[1, :3], kv_c) and cache[1, 3:].abs().sum() == 0
+
+
+def test_a_misaligned_cache_falls_back_to_pointer_loads():
+    spec = _spec()
+    _, md, impl = _step(spec)
+    assert md.plan.kind == "tma"  # the interpreter runs TMA loads
+    g = torch.Generator().manual_seed(3)
+    aligned = torch.randn(6, 16, 80, generator=g).half().to(DEVICE)
+    storage = torch.empty(aligned.numel() + 1, dtype=torch.float16, device=DEVICE)
+    misaligned = storage[1:].view(6, 16, 80)  # 2 bytes past a 16-byte boundary
+    misaligned.copy_(aligned)
+    q = torch.randn(10, 4, 80, generator=g).half().to(DEVICE)
+    out = impl.forward_mla(q[..., :64], q[..., 64:], None, None, misaligned, md)
+    (launch,) = impl.plan_attention(q[..., :64], q[..., 64:], misaligned, md, out)
+    assert not launch.kwargs["USE_TMA"] and launch.kwargs["Cache"] is misaligned
+    expected = impl.forward_mla(q[..., :64], q[..., 64:], None, None, aligned, md)
+    assert torch.equal(out, expected)
 
 
 def test_argument_errors_name_the_argument():
@@ -294,7 +325,13 @@ def test_argument_errors_name_the_argument():
         impl.forward_mla(q[..., :64].float(), q[..., 64:], None, None, cache, md)
     with pytest.raises(UnsupportedError, match="kv_c and k_pe must be given together"):
         impl.forward_mla(q[..., :64], q[..., 64:], q[:, 0, :64], None, cache, md)
-    with pytest.raises(UnsupportedError, match=r"kv_cache: expected \[num_blocks, 16, 80\]"):
+    with pytest.raises(UnsupportedError, match=r"kv_c: expected shape \[10, 64\]"):
+        impl.forward_mla(q[..., :64], q[..., 64:], q[:, 0, :32], q[:, 0, 64:], cache, md)
+    with pytest.raises(UnsupportedError, match=r"k_pe: expected shape \[10, 16\]"):
+        impl.write_latent(q[:, 0, :64], q[:, 0, :8], cache, md)
+    with pytest.raises(
+        UnsupportedError, match=r"kv_cache: expected the latent layout \[num_blocks, 16, 80\]"
+    ):
         impl.forward(q, None, None, cache.view(6, 8, 160), md)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype"):
         impl.forward(q, None, None, cache.float(), md)
@@ -321,7 +358,7 @@ def test_rejections_carry_reasons():
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's bf16 limitation is CPU-only")
 def test_bf16_under_the_interpreter_is_refused():
-    from pagedkv.backends.mla.impl import MLAMetadataBuilder
+    from pagedkv.backends.mla.builder import MLAMetadataBuilder
 
     spec = _spec(dtype=torch.bfloat16)
     backend = MLABackend()
@@ -364,16 +401,22 @@ def test_registered_and_selected_for_mla_layers():
     [(128, 4096, 132), (2, 32768, 132), (1, 1, 132), (7, 700, 8), (300, 50, 132), (1, 200, 132)],
 )
 def test_splits_cover_the_longest_tile_without_empty_splits(num_tiles, max_kv_len, num_sms):
-    splits, per_split = choose_splits(num_tiles, max_kv_len, 64, num_sms)
+    choice = SPLIT_POLICY.choose(num_tiles, 1, max_kv_len, num_sms, granule=64)
+    splits, per_split = choice.num_splits, choice.keys_per_split
     assert per_split % 64 == 0
     assert splits * per_split >= max_kv_len > (splits - 1) * per_split
     assert num_tiles * splits <= max(num_tiles, num_sms)
+    assert splits == 1 or per_split >= SPLIT_POLICY.min_keys_per_split
 
 
 def test_decode_64x4096_on_an_h200_is_one_wave_without_splits():
     # 64 requests x 128 heads / 64-row tiles = 128 programs for 132 SMs
-    assert choose_splits(128, 4096, 64, 132) == (1, 4096)
-    assert choose_splits(2, 32768, 64, 132)[0] == 64
+    choice = SPLIT_POLICY.choose(128, 1, 4096, 132, granule=64)
+    assert (choice.num_splits, choice.keys_per_split) == (1, 4096)
+    # one request of 32k: two tiles, 64 splits of 512 positions (prefill tiles too)
+    for max_query_len in (1, 100):
+        choice = SPLIT_POLICY.choose(2, max_query_len, 32768, 132, granule=64)
+        assert (choice.num_splits, choice.keys_per_split) == (64, 512)
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])

@@ -5,20 +5,25 @@ TMA boxes, shared memory), so the launches the backend plans on an H100/H200 are
 compiled for sm_90 here, argument for argument: the configuration table's Hopper row
 (decode, split-KV with its reduction, prefill, non-causal, fp16, both fp8 caches,
 TMA and pointer loads, block-table gathers), the sizing rule's fallbacks (fp32, small
-and non-power-of-two latents, no rope) and the latent write for every cache dtype.
+and non-power-of-two latents, no rope), a CUDA-graph step (padded tiles, every row
+reduced) and the latent write (the shared writer) for every cache dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 from pagedkv.backends.mla import MLABackend
-from pagedkv.backends.mla.configs import choose_config
-from pagedkv.backends.mla.impl import MLAMetadataBuilder
+from pagedkv.backends.mla.builder import MLAMetadataBuilder
+from pagedkv.backends.mla.configs import choose_config, pad_dim
 from pagedkv.conformance import Scenario
 from pagedkv.conformance.problem import build_problem
+from pagedkv.graph import GraphBounds
+from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.triton_kv_write import plan_write_kv
 from triton_compile import compile_launches
 
 pytest.importorskip("triton")
@@ -34,8 +39,8 @@ class Variant:
     scenario: Scenario
     overrides: dict = dataclasses.field(default_factory=dict)  # KernelConfig fields
     num_splits: int | None = None
-    allow_tma: bool = True  # as on Hopper
-    allow_gluon: bool = True  # as on sm_90
+    capability: tuple[int, int] = (9, 0)  # the device planned for
+    graph: bool = False  # built under a CUDA-graph reservation of this step's size
 
 
 def _variants() -> list[Variant]:
@@ -62,7 +67,9 @@ def _variants() -> list[Variant]:
         Variant("lazy-rescale", bf16, {"lazy_rescale": True, **triton}),
         Variant("lazy-split3", bf16.replace(**PREFILL), {"lazy_rescale": True, **triton}, 3),
         Variant("pointer-loads", bf16, {"use_tma": False, **triton}),
-        Variant("no-tma-device", bf16, allow_tma=False, allow_gluon=False),
+        Variant("no-tma-device", bf16, capability=(8, 0)),
+        Variant("graph-decode-split4", bf16, num_splits=4, graph=True),
+        Variant("triton-graph-prefill", bf16.replace(**PREFILL), triton, 3, graph=True),
         Variant("block16-gather", bf16.replace(block_size=16)),
         Variant("triton-block128", bf16.replace(block_size=128), triton),
         Variant("triton-heads16", bf16.replace(num_heads=16), triton),
@@ -79,49 +86,55 @@ def _variants() -> list[Variant]:
 VARIANTS = _variants()
 
 
-def _launches(variant: Variant) -> list[tuple]:
+def _launches(variant: Variant) -> list[KernelLaunch]:
     scenario = variant.scenario
     problem = build_problem(scenario, "cpu")
     spec = problem.spec
     backend = MLABackend(num_splits=variant.num_splits)
     cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
-    builder = MLAMetadataBuilder(spec, "cpu", **backend.options)
-    # plan as on an H200: its configuration row (or the sizing rule) and 132 SMs
+    builder = MLAMetadataBuilder(
+        spec, "cpu", graph_support=backend.capabilities.graph_support, **backend.options
+    )
+    # plan as on an H200: its configuration row (or the sizing rule), SMs and capability
     lora, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
-    pad = lambda n: max(16, 1 << max(n - 1, 0).bit_length())  # noqa: E731
     builder.config = dataclasses.replace(
-        choose_config("sm90", spec.dtype.itemsize, pad(lora), pad(rope)), **variant.overrides
+        choose_config("sm90", spec.dtype.itemsize, pad_dim(lora), pad_dim(rope)),
+        **variant.overrides,
     )
     builder.num_sms = 132
-    metadata = builder.build(problem.common)
+    builder.capability = variant.capability
+    common = problem.common
+    if variant.graph:
+        query_lens = scenario.query_lens
+        builder.reserve_cuda_graph(
+            GraphBounds(
+                max_num_reqs=len(query_lens) + 1,
+                max_num_tokens=common.num_tokens + 3,
+                max_blocks_per_req=common.block_table.shape[1],
+                max_query_len=max(query_lens),
+            )
+        )
+    metadata = builder.build(common)
     if variant.num_splits:
         assert metadata.num_splits > 1  # fewer than asked where a split would be empty
     impl = backend.make_impl(spec)
     query = problem.query
+    if variant.graph:  # the padded step's rows
+        query = torch.cat([query, query[:3]])
     out = query.new_empty(query.shape[0], spec.num_heads, lora)
-    launches = impl.plan_attention(
-        query[..., :lora],
-        query[..., lora:],
-        cache,
-        metadata,
-        out,
-        allow_tma=variant.allow_tma,
-        allow_gluon=variant.allow_gluon,
-    )
-    from pagedkv.backends.mla.kernels import plan_write_latent
-
+    launches = impl.plan_attention(query[..., :lora], query[..., lora:], cache, metadata, out)
     key = problem.new_key[:, 0]
-    launches += plan_write_latent(
-        key[:, :lora],
-        key[:, lora:],
-        cache,
-        problem.common.slot_mapping,
-        spec.k_scale,
-    )
+    operands = impl.latent_write_operands(key[:, :lora], key[:, lora:], cache)
+    slots = common.slot_mapping
+    launches.append(plan_write_kv(*operands, slots, spec.k_scale, spec.k_scale))
     return launches
 
 
-def _portable(launch: tuple) -> tuple:
+def _name(launch: KernelLaunch) -> str:
+    return launch.kernel.fn.__name__
+
+
+def _portable(launch: KernelLaunch) -> KernelLaunch:
     """TMA descriptors compile from their dtype, box (and Gluon's, its shared layout)
     only; tensors travel to the compile subprocess as descriptions (fp8 tensors do not
     even pickle in torch 2.13), so each descriptor gets a described base."""
@@ -138,25 +151,29 @@ def _portable(launch: tuple) -> tuple:
             return GluonDescriptor(base, shape, strides, list(arg.block_shape), arg.layout)
         return TensorDescriptor(base, shape, strides, list(arg.block_shape))
 
-    kernel, grid, args, kwargs = launch
-    return kernel, grid, tuple(described(a) for a in args), kwargs
+    kwargs = {name: described(value) for name, value in launch.kwargs.items()}
+    return KernelLaunch(launch.kernel, launch.grid, kwargs)
 
 
-def _compile_key(launch: tuple) -> tuple:
+def _compile_key(launch: KernelLaunch) -> tuple:
     """What Triton specialises a launch on: constexprs, dtypes, 16-alignment, ==1 ints."""
     from triton.runtime.jit import mangle_type
 
+    parameters = inspect.signature(getattr(launch.kernel, "fn", launch.kernel)).parameters
+    constexprs = {name for name, p in parameters.items() if "constexpr" in str(p.annotation)}
     kinds = []
-    for a in launch[2]:
-        if isinstance(a, torch.Tensor):
-            kinds.append((str(a.dtype), a.data_ptr() % 16 == 0))
+    for name, a in sorted(launch.kwargs.items()):
+        if name in constexprs or name in ("num_warps", "num_stages"):
+            kinds.append((name, repr(a)))
+        elif isinstance(a, torch.Tensor):
+            kinds.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
         elif isinstance(a, int) and not isinstance(a, bool):
-            kinds.append("one" if a == 1 else ("d16" if a % 16 == 0 else "int"))
+            kinds.append((name, "one" if a == 1 else ("d16" if a % 16 == 0 else "int")))
         elif a is None or isinstance(a, float):
-            kinds.append(repr(type(a)))
+            kinds.append((name, repr(type(a))))
         else:
-            kinds.append(mangle_type(a))
-    return launch[0].fn.__name__, repr(sorted(launch[3].items())), tuple(kinds)
+            kinds.append((name, mangle_type(a)))
+    return _name(launch), tuple(kinds)
 
 
 def test_every_launched_variant_compiles_for_sm90():
@@ -168,12 +185,12 @@ def test_every_launched_variant_compiles_for_sm90():
                 continue
             seen.add(key)
             launches.append(_portable(launch))
-            labels.append(f"{variant.label}:{launch[0].fn.__name__}")
+            labels.append(f"{variant.label}:{_name(launch)}")
     results = compile_launches(launches, labels=labels)
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
     kernels = {label.split(":")[1] for label in labels}
-    assert kernels == {"_mla_attention", "_mla_attention_sm90", "_mla_reduce", "_write_latent"}
+    assert kernels == {"_mla_attention", "_mla_attention_sm90", "_mla_reduce", "write_kv_kernel"}
     # the Gluon kernel is the default on sm_90 (known when ptxas ran, i.e. not served
     # from Triton's cache): ptxas must not serialise its wgmmas, and only loop
     # invariants (wgmma descriptors, addresses; ~270 B, reloaded from L1) may spill;
@@ -192,27 +209,19 @@ def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_dec
     spec = Scenario("headline", (1,), (1,), **DEEPSEEK, dtype=torch.bfloat16).spec()
     blocks = [list(range(1 + 64 * i, 1 + 64 * (i + 1))) for i in range(64)]
     common = pagedkv.CommonAttentionMetadata.from_requests([4096] * 64, [1] * 64, blocks, 64)
-    builder = MLAMetadataBuilder(spec, "cpu")
-    builder.config = choose_config("sm90", 2, 512, 64)
-    builder.num_sms = 132
-    metadata = builder.build(common)
-    assert tuple(metadata.tiles.shape) == (2, 128) and metadata.num_splits == 1
     impl = MLABackend().make_impl(spec)
     cache = MLABackend().allocate_kv_cache(8, spec, "cpu")  # planning reads only its layout
     q = torch.zeros(64, 128, 576, dtype=torch.bfloat16)
-    (attention,) = impl.plan_attention(
-        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone(), allow_tma=True,
-        allow_gluon=True,
-    )  # fmt: skip
-    assert attention[0].fn.__name__ == "_mla_attention_sm90" and attention[3]["ONE_SPLIT"]
-    assert attention[1] == (128, 1)
-    # asking for the Triton kernel gives it, with TMA loads
-    metadata = dataclasses.replace(
-        metadata, config=dataclasses.replace(metadata.config, use_gluon=False)
-    )
-    (attention,) = impl.plan_attention(
-        q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone(), allow_tma=True,
-        allow_gluon=True,
-    )  # fmt: skip
-    assert attention[0].fn.__name__ == "_mla_attention"
-    assert attention[3]["USE_TMA"] and attention[3]["ONE_SPLIT"]
+    for use_gluon, kernel in ((True, "_mla_attention_sm90"), (False, "_mla_attention")):
+        builder = MLAMetadataBuilder(spec, "cpu")
+        builder.config = dataclasses.replace(choose_config("sm90", 2, 512, 64), use_gluon=use_gluon)
+        builder.num_sms, builder.capability = 132, (9, 0)
+        metadata = builder.build(common)
+        assert tuple(metadata.tiles.shape) == (2, 128) and metadata.num_splits == 1
+        (attention,) = impl.plan_attention(
+            q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone()
+        )
+        assert _name(attention) == kernel and attention.kwargs["ONE_SPLIT"]
+        assert attention.grid == (128, 1)
+    # asking for the Triton kernel gives it with TMA loads
+    assert attention.kwargs["USE_TMA"] and metadata.plan.kind == "tma"

@@ -13,15 +13,17 @@ from pagedkv.conformance import Scenario, run_scenario
 
 pytest.importorskip("jax")
 
-from pagedkv.backends.pallas import kernel
-from pagedkv.backends.pallas.impl import PallasMetadataBuilder
+from pagedkv.backends.pallas import interop, kernel
+from pagedkv.backends.pallas.backend import jax_gpu_unavailable
+from pagedkv.backends.pallas.builder import PallasMetadataBuilder, num_tiles_bound
 from pagedkv.reference import reference_attention
 
 BACKEND = pagedkv.get_backend("pallas")
 MIXED = dict(seq_lens=(1, 17, 33, 64, 40, 5), query_lens=(1, 17, 5, 1, 8, 0))
 
 # The conformance suite covers the features one by one; these add what is
-# specific to this kernel: tiling edges, padded heads and groups, split-KV.
+# specific to this kernel: tiling edges, padded heads and groups, split-KV (forced,
+# with fewer splits than the launch has slots, and chosen by the CPU SM stand-in).
 SCENARIOS = [
     (Scenario("mixed-fp16-padded", **MIXED, num_padding_tokens=3), {}),
     (
@@ -49,7 +51,7 @@ SCENARIOS = [
     ),
     (
         Scenario(
-            "split3-everything",
+            "split4-everything",
             **MIXED,
             sliding_window=20,
             logits_soft_cap=30.0,
@@ -57,7 +59,7 @@ SCENARIOS = [
             use_sinks=True,
             dtype=torch.float32,
         ),
-        {"num_kv_splits": 3},
+        {"num_splits": 4, "block_n": 16},
     ),
     (
         Scenario(
@@ -69,7 +71,20 @@ SCENARIOS = [
             v_scale=2.0,
             sliding_window=50,
         ),
-        {"num_kv_splits": 4},
+        # 130 keys in steps of 64: 3 splits, in a launch of 4 split slots
+        {"num_splits": 4},
+    ),
+    (
+        Scenario(
+            "gqa8-long-decode-auto-split",
+            seq_lens=(1100, 40),
+            query_lens=(1, 1),
+            num_heads=16,
+            num_kv_heads=2,
+            dtype=torch.float32,
+            use_sinks=True,
+        ),
+        {},
     ),
     (
         Scenario(
@@ -179,13 +194,13 @@ def test_tiles_cover_every_query_row_once():
     md = builder.build(common)
     # group 3 pads to 4; the batch has prefill, so tiles are 64 rows = 16 tokens
     assert md.block_q == 16
-    req, qstart = np.asarray(md.tile_req), np.asarray(md.tile_qstart)
+    req, qstart = np.asarray(md.arrays.tile_req), np.asarray(md.arrays.tile_qstart)
     covered = []
     for r, q0 in zip(req[req >= 0], qstart[req >= 0], strict=True):
         q_len = [5, 33, 0, 1][r]
         covered += [(int(r), j) for j in range(q0, min(q0 + md.block_q, q_len))]
     assert sorted(covered) == [(r, j) for r, q in enumerate([5, 33, 0, 1]) for j in range(q)]
-    assert len(req) == kernel.num_tiles_bound(45, 4, 16)
+    assert len(req) == num_tiles_bound(45, 4, 16)
 
 
 def test_declares_exactly_what_it_runs():
@@ -235,9 +250,7 @@ def test_rejections_carry_reasons():
 
 
 def test_cuda_without_a_jax_gpu_backend_is_refused_with_the_reason():
-    import jax
-
-    if any(d.platform == "gpu" for d in jax.devices()):
+    if jax_gpu_unavailable() is None:
         pytest.skip("this JAX has a GPU backend")
     spec = AttentionSpec(
         num_heads=2, num_kv_heads=1, head_size=64, dtype=torch.float16, block_size=16
@@ -251,8 +264,10 @@ def test_bad_options_are_refused():
         pagedkv.get_backend("pallas", block_n=48)
     with pytest.raises(ConfigError, match="block_m=8: expected a power of two >= 16"):
         pagedkv.get_backend("pallas", block_m=8)
-    with pytest.raises(ConfigError, match="num_kv_splits=-1: expected >= 0"):
-        pagedkv.get_backend("pallas", num_kv_splits=-1)
+    with pytest.raises(ConfigError, match=r"num_splits=-1: expected 0 to 64"):
+        pagedkv.get_backend("pallas", num_splits=-1)
+    with pytest.raises(ConfigError, match="num_splits=65: expected 0"):
+        pagedkv.get_backend("pallas", num_splits=65)
     with pytest.raises(ConfigError, match="unknown option"):
         pagedkv.get_backend("pallas", interpret=True)
 
@@ -268,14 +283,15 @@ def test_forward_names_the_bad_argument():
     q = torch.randn(3, 4, 16).half()
     cache = BACKEND.allocate_kv_cache(2, spec, "cpu")
     with pytest.raises(
-        UnsupportedError, match=r"kv_cache: expected shape \[num_blocks, 4, 4, 16\]"
+        UnsupportedError,
+        match=r"kv_cache: expected the interleaved_heads layout \[num_blocks, 4, 4, 16\]",
     ):
         impl.forward(q, None, None, cache[:, :, :2], md)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float16"):
         impl.forward(q, None, None, cache.float(), md)
     with pytest.raises(UnsupportedError, match=r"query: expected shape \[3, 4, 16\]"):
         impl.forward(q[:2], None, None, cache, md)
-    with pytest.raises(ValueError, match="kv_cache: expected a contiguous tensor"):
+    with pytest.raises(UnsupportedError, match="kv_cache: expected a contiguous tensor"):
         impl.forward(q, None, None, torch.zeros(4, 4, 4, 16).half()[::2], md)
 
 
@@ -309,15 +325,67 @@ def test_missing_jax_is_the_reason_it_is_unavailable(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("num_reqs", "context", "splits"), [(64, 4096, 1), (4, 32768, 16), (1, 32768, 32), (8, 300, 1)]
+    ("num_reqs", "context", "splits"), [(64, 4096, 1), (4, 32768, 16), (1, 32768, 64), (8, 300, 1)]
 )
 def test_kv_splits_fill_the_gpu_only_when_few_long_requests_decode(num_reqs, context, splits):
     spec = AttentionSpec(
         num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=16
     )
     builder = PallasMetadataBuilder(spec, "cpu")
-    builder.target, builder.num_sms = "triton", 132  # as on an H200, without one
+    builder.num_sms = 132  # as on an H200, without one
     common = pagedkv.CommonAttentionMetadata.from_requests(
         [context] * num_reqs, [1] * num_reqs, [[0] * -(-context // 16)] * num_reqs, 16
     )
-    assert builder.build(common).num_splits == splits
+    md = builder.build(common)
+    assert (md.num_splits, md.split_slots) == (splits, splits)
+    assert np.asarray(md.arrays.num_splits).tolist() == [splits]
+
+
+def test_split_count_is_chosen_on_cpu_and_launched_in_power_of_two_slots():
+    """The CPU stand-in for the SM count splits few long decodes (so CI runs the split
+    path); a forced count is kept whole when every split gets keys, and launched in
+    the next power of two of programs."""
+    spec = AttentionSpec(
+        num_heads=16, num_kv_heads=2, head_size=64, dtype=torch.float32, block_size=16
+    )
+    builder = PallasMetadataBuilder(spec, "cpu")
+    long_decode = pagedkv.CommonAttentionMetadata.from_requests(
+        [1100, 40], [1, 1], [list(range(1, 70)), [70, 71, 72]], 16
+    )
+    md = builder.build(long_decode)
+    assert (md.num_splits, md.split_slots) == (2, 2)
+    md = builder.build(long_decode, num_splits=5)
+    assert (md.num_splits, md.split_slots) == (5, 8)
+    assert np.asarray(md.arrays.num_splits).tolist() == [5]
+    # a prefill batch does not split unless forced
+    prefill = pagedkv.CommonAttentionMetadata.from_requests(
+        [1100], [1100], [list(range(1, 70))], 16
+    )
+    assert builder.build(prefill).num_splits == 1
+    with pytest.raises(ConfigError, match=r"build\(num_splits\)=99: expected 0"):
+        builder.build(long_decode, num_splits=99)
+    with pytest.raises(ConfigError, match="unknown override"):
+        builder.build(long_decode, tile=3)
+
+
+def test_jax_is_told_not_to_preallocate_unless_the_user_chose(monkeypatch):
+    """Set where the backend first uses JAX (not at import); it leaves the user's own
+    choice alone."""
+    import jax
+
+    option = "jax_pjrt_client_create_options"
+    before = getattr(jax.config, option)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    try:
+        jax.config.update(option, "collective_memory_size:0")
+        interop.configure_jax.__wrapped__()
+        assert getattr(jax.config, option) == {"collective_memory_size": "0", "preallocate": False}
+        jax.config.update(option, {"preallocate": True})
+        interop.configure_jax.__wrapped__()
+        assert getattr(jax.config, option) == {"preallocate": True}
+        jax.config.update(option, None)
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+        interop.configure_jax.__wrapped__()
+        assert getattr(jax.config, option) is None
+    finally:
+        jax.config.update(option, before)

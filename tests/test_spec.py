@@ -1,3 +1,7 @@
+import math
+import re
+
+import numpy as np
 import pytest
 import torch
 from pagedkv import AttentionSpec, Feature, SpecError
@@ -30,7 +34,7 @@ def test_defaults():
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of"),
         ({"k_scale": 0.0}, "k_scale must be a finite positive number"),
         ({"sliding_window": 0}, "sliding_window must be a positive int"),
-        ({"logits_soft_cap": -1.0}, "logits_soft_cap must be positive"),
+        ({"logits_soft_cap": -1.0}, "logits_soft_cap must be a finite positive number or None"),
         (
             {"alibi_slopes": (0.5, 0.25)},
             "alibi_slopes must have one slope per query head (8), got 2",
@@ -87,3 +91,40 @@ def test_alibi_slopes_non_power_of_two():
     slopes = alibi_slopes(12)
     assert len(slopes) == 12 and all(0 < x < 1 for x in slopes)
     assert alibi_slopes(8)[0] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # an infinite cap or slope makes every output NaN
+        ({"logits_soft_cap": math.inf}, "logits_soft_cap must be a finite positive number"),
+        ({"logits_soft_cap": math.nan}, "logits_soft_cap must be a finite positive number"),
+        ({"alibi_slopes": (math.inf,) + (0.5,) * 7}, "alibi_slopes must be finite numbers"),
+        ({"alibi_slopes": (math.nan,) + (0.5,) * 7}, "alibi_slopes must be finite numbers"),
+        ({"alibi_slopes": ("0.5",) * 8}, "alibi_slopes must be finite numbers"),
+        ({"scale": math.inf}, "scale must be a finite positive number"),
+        ({"k_scale": math.inf}, "k_scale must be a finite positive number"),
+        ({"v_scale": True}, "v_scale must be a finite positive number, got True"),
+        # zero is a value, not "unset"
+        ({"head_size_v": 0}, "head_size_v must be a positive int or None, got 0"),
+        # a bool is not an int, a float is not an int
+        ({"sliding_window": True}, "sliding_window must be a positive int or None, got True"),
+        ({"head_size_v": 64.0}, "head_size_v must be a positive int or None, got 64.0"),
+        ({"head_size": 64.0}, "head_size must be a positive int, got 64.0"),
+        ({"num_kv_heads": True}, "num_kv_heads must be a positive int, got True"),
+        ({"causal": 1}, "causal must be a bool, got 1"),
+        ({"use_sinks": None}, "use_sinks must be a bool, got None"),
+        ({"dtype": "float16"}, "dtype must be a torch.dtype, got 'float16'"),
+        ({"kv_cache_dtype": ["auto"]}, "kv_cache_dtype must be a str"),
+    ],
+)
+def test_field_types_and_finiteness(changes, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        make(**changes)
+
+
+def test_numbers_of_other_libraries_become_python_numbers():
+    s = make(head_size=np.int64(64), alibi_slopes=torch.tensor(alibi_slopes(8)))
+    assert type(s.head_size) is int and s.head_size_v == 64
+    assert s.alibi_slopes == pytest.approx(alibi_slopes(8))
+    assert all(type(x) is float for x in s.alibi_slopes)

@@ -184,7 +184,7 @@ def test_every_tile_fits_the_kernel_rules():
 def test_forced_splits_option_is_checked():
     with pytest.raises(ConfigError, match="num_splits=65"):
         TritonMetadataBuilder(SPEC, "cpu", num_splits=65)
-    with pytest.raises(ConfigError, match="expected a int"):
+    with pytest.raises(ConfigError, match="expected an int"):
         pagedkv.get_backend("triton", num_splits="many")
 
 

@@ -125,13 +125,13 @@ def _launches(variant: Variant) -> list[tuple]:
     output = torch.empty_like(problem.query)
     launches = list(impl.plan(problem.query, cache, metadata, output))
     # the KV write, as forward launches it
-    from pagedkv.triton_kv_write import plan_write_kv
+    from pagedkv.toolkit.triton_kv_write import plan_write_kv
 
-    kernel, grid, args, kwargs = plan_write_kv(
+    write = plan_write_kv(
         problem.new_key, problem.new_value, cache[0], cache[1], metadata.slot_mapping,
         spec.k_scale, spec.v_scale,
     )  # fmt: skip
-    return [*launches, (kernel, grid, args, kwargs)]
+    return [*launches, (write.kernel, write.grid, (), write.kwargs)]
 
 
 def test_every_launched_variant_compiles_for_sm90():
@@ -149,7 +149,7 @@ def test_every_launched_variant_compiles_for_sm90():
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
     kernels = {label.split(":")[1] for label in labels}
-    assert {"unified_attention_kernel", "reduce_splits_kernel", "_write_kv_kernel"} <= kernels
+    assert {"unified_attention_kernel", "reduce_splits_kernel", "write_kv_kernel"} <= kernels
     # register spills (known when ptxas ran, i.e. not served from Triton's cache)
     spilled = [str(r) for r in results if r.spill_bytes]
     assert not spilled, "register spills:\n" + "\n".join(spilled)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from pagedkv.kv_write import quantize_for_cache, write_kv_by_slot
+from pagedkv.toolkit.kv_write import quantize_for_cache, write_kv_by_slot
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -140,7 +140,7 @@ def test_argument_errors_name_the_field():
 
 def test_importing_pagedkv_does_not_import_triton():
     code = (
-        "import sys, pagedkv, pagedkv.kv_write, pagedkv.backends.triton; "
+        "import sys, pagedkv, pagedkv.toolkit.kv_write, pagedkv.backends.triton; "
         "pagedkv.get_backend('triton').validate(pagedkv.AttentionSpec("
         "num_heads=4, num_kv_heads=1, head_size=64, dtype=__import__('torch').float16, "
         "block_size=16)); "

@@ -68,16 +68,23 @@ class CompileResult:
         return f"{self.label}: ok, {self.shared} B shared, {self.num_warps} warps{regs}{spills}{serial}"
 
 
-def describe(launch: Sequence[Any], label: str = "") -> tuple[str, str, str, tuple, dict]:
-    """A picklable description of one launch ``(kernel, args, kwargs)``."""
-    kernel, args, kwargs = launch[0], launch[-2], launch[-1]
+def describe(launch: Any, label: str = "") -> tuple[str, str, str, tuple, dict]:
+    """A picklable description of one launch: a ``pagedkv.toolkit.launch.KernelLaunch``
+    or a tuple ``(kernel, args, kwargs)``."""
+    from pagedkv.toolkit.launch import KernelLaunch
+
+    if isinstance(launch, KernelLaunch):
+        kernel, args, kwargs = launch.kernel, (), launch.kwargs
+    else:
+        kernel, args, kwargs = launch[0], launch[-2], launch[-1]
     fn = getattr(kernel, "fn", kernel)
     packed = tuple(_pack(a) for a in args)
-    return (label or fn.__name__, fn.__module__, fn.__qualname__, packed, dict(kwargs))
+    packed_kwargs = {k: _pack(v) for k, v in kwargs.items()}
+    return (label or fn.__name__, fn.__module__, fn.__qualname__, packed, packed_kwargs)
 
 
 def compile_launches(
-    launches: Iterable[Sequence[Any]],
+    launches: Iterable[Any],
     *,
     labels: Sequence[str] | None = None,
     arch: int = 90,
@@ -86,7 +93,7 @@ def compile_launches(
 ) -> list[CompileResult]:
     """Compile each launch for ``sm_<arch>``; one result each, in order.
 
-    A launch is ``(kernel, args, kwargs)`` or ``(kernel, grid, args, kwargs)``.
+    A launch is a KernelLaunch, ``(kernel, args, kwargs)`` or ``(kernel, grid, args, kwargs)``.
     ``jobs`` subprocesses share the work (default: the CPU count, at most 4).
     """
     launches = list(launches)
@@ -167,7 +174,7 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     real_args = [_FakeTensor(a) if isinstance(a, _TensorArg) else a for a in args]
-    kwargs = dict(kwargs)
+    kwargs = {k: _FakeTensor(v) if isinstance(v, _TensorArg) else v for k, v in kwargs.items()}
     kwargs.setdefault("debug", False)
     bound_args, specialization, options = binder(*real_args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 from pagedkv.capabilities import Capabilities, MultipleOf
+from pagedkv.errors import UnsupportedError
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
 from pagedkv.spec import AttentionSpec
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -29,7 +31,7 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 class PagedCall:
     """The step as every adapter needs it; device tensors unless noted."""
 
-    query: torch.Tensor  # [num_actual_tokens, num_heads, head_size]
+    query: torch.Tensor  # [rows, num_heads, head_size]; rows past query_start_loc[-1]: padding
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     query_start_loc: torch.Tensor  # [B+1] int32
@@ -41,6 +43,8 @@ class PagedCall:
     spec: AttentionSpec
     sinks: torch.Tensor | None  # [num_heads] float32
     alibi_slopes: torch.Tensor | None  # [num_heads] float32
+    num_splits: int = 1  # the library's split-KV: 1 none, 0 its own heuristic, n > 1 n
+    return_lse: bool = False  # also return the log-sum-exp [num_heads, rows] (natural log)
 
     @property
     def window_size(self) -> tuple[int, int]:
@@ -64,7 +68,11 @@ class Adapter:
     capabilities: Capabilities
     supported_majors: frozenset[int]  # compute capability majors it runs paged KV on
     arch_note: str
-    run: Callable[[Callable[..., Any], PagedCall], torch.Tensor]
+    # (output [rows, num_heads, head_size], log-sum-exp [num_heads, rows] or None)
+    run: Callable[[Callable[..., Any], PagedCall], tuple[torch.Tensor, torch.Tensor | None]]
+    native_split_majors: frozenset[int] = frozenset()  # where the library splits KV itself
+    own_split_heuristic: bool = False  # num_splits=0 lets the library choose
+    returns_lse: bool = False  # run() honours PagedCall.return_lse
 
     def installed(self) -> bool:
         """True when the library's files are on sys.path (nothing is imported)."""
@@ -108,7 +116,10 @@ def _module_present(module: str) -> bool:
 # -- the three calls -------------------------------------------------------------------
 
 
-def _run_fa4(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
+def _run_fa4(fn: Callable[..., Any], c: PagedCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # FA4 splits on SM100 only; with splits its scheduler also wants the real max_seqlen_k
+    # (without it, the pool's size)
+    split = {"num_splits": c.num_splits, "max_seqlen_k": c.max_seq_len} if c.num_splits > 1 else {}
     result = fn(
         c.query,
         c.key_cache,
@@ -122,12 +133,16 @@ def _run_fa4(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
         window_size=tuple(None if x < 0 else x for x in c.window_size),
         learnable_sink=c.sinks,
         softcap=c.spec.logits_soft_cap or 0.0,
+        return_lse=c.return_lse,
+        **split,
     )
-    return result[0] if isinstance(result, tuple) else result
+    if isinstance(result, tuple):
+        return result[0], result[1] if c.return_lse else None
+    return result, None
 
 
-def _run_fa3(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
-    return fn(
+def _run_fa3(fn: Callable[..., Any], c: PagedCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = fn(
         c.query,
         c.key_cache,
         c.value_cache,
@@ -139,11 +154,13 @@ def _run_fa3(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
         causal=c.spec.causal,
         window_size=c.window_size,
         softcap=c.spec.logits_soft_cap or 0.0,
+        num_splits=c.num_splits,
     )
+    return out, None
 
 
-def _run_fa2(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
-    return fn(
+def _run_fa2(fn: Callable[..., Any], c: PagedCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = fn(
         c.query,
         c.key_cache,
         c.value_cache,
@@ -158,6 +175,7 @@ def _run_fa2(fn: Callable[..., Any], c: PagedCall) -> torch.Tensor:
         alibi_slopes=c.alibi_slopes,
         block_table=c.block_table,
     )
+    return out, None
 
 
 FA4 = Adapter(
@@ -178,10 +196,16 @@ FA4 = Adapter(
             {Feature.SLIDING_WINDOW, Feature.LOGITS_SOFT_CAP, Feature.SINKS, Feature.NON_CAUSAL}
         ),
         devices=frozenset({"cuda"}),
+        # its Python entry reads no device data (no .item()/.tolist()/sync), and under a
+        # reservation every host number it takes is the bounds' (docs/flash_attn.md)
+        cuda_graph=GraphSupport.MIXED,
     ),
     supported_majors=frozenset({9, 10, 11}),
     arch_note="paged KV on SM90 and SM100/SM110 only",
     run=_run_fa4,
+    # SM90: "SplitKV not supported on SM 9.0" (flash-attn-4 4.0.0b36); pagedkv splits there
+    native_split_majors=frozenset({10, 11}),
+    returns_lse=True,
 )
 FA3 = Adapter(
     name="fa3",
@@ -202,6 +226,8 @@ FA3 = Adapter(
     supported_majors=frozenset({9}),
     arch_note="Hopper (SM90) only",
     run=_run_fa3,
+    native_split_majors=frozenset({9}),
+    own_split_heuristic=True,
 )
 FA2 = Adapter(
     name="fa2",
@@ -295,3 +321,26 @@ def _unusable(adapter: Adapter, installed: Mapping[str, bool], major: int | None
 
 def installed_adapters(names: Sequence[str] = tuple(ADAPTERS)) -> dict[str, bool]:
     return {name: ADAPTERS[name].installed() for name in names}
+
+
+def gpu_major(device: torch.device | str | None = None) -> int | None:
+    """The compute-capability major of ``device`` (None: the current CUDA device), or
+    None without one."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def resolve_adapter(forced: str | None, device: torch.device | str | None = None) -> Choice:
+    """The choice for the ``impl`` option here: installed files and the GPU (no import)."""
+    return choose_adapter(forced, installed_adapters(), gpu_major(device))
+
+
+def require_adapter(forced: str | None, device: torch.device | str | None = None) -> Adapter:
+    """The adapter that runs here, or UnsupportedError saying why none can."""
+    choice = resolve_adapter(forced, device)
+    if choice.adapter is None:
+        raise UnsupportedError(f"flash_attn: {choice.reason}")
+    return choice.adapter

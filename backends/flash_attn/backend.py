@@ -1,4 +1,4 @@
-"""The FlashAttention backend's layout, adapter choice and declared capabilities."""
+"""The FlashAttention backend's declaration: layout, options, adapter choice, capabilities."""
 
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from pagedkv.backends.flash_attn.adapters import (
     PREFERENCE,
     Adapter,
     Choice,
-    choose_adapter,
     combination_problems,
-    installed_adapters,
+    gpu_major,
+    resolve_adapter,
 )
+from pagedkv.backends.flash_attn.configs import SPLIT_POLICY
 from pagedkv.capabilities import Capabilities
-from pagedkv.errors import UnsupportedError
+from pagedkv.errors import ConfigError
+from pagedkv.layout import KV_FIRST
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.split_kv import split_problem
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -33,24 +36,35 @@ class FlashAttnBackend(AttentionBackend):
 
     ``impl=fa4|fa3|fa2`` forces a generation; by default the strongest one installed
     for this GPU runs (SM90: fa3, fa4, fa2; SM100: fa4, fa2; others: fa2). What the
-    layer may use (window, soft cap, sinks, ALiBi, block sizes) is the chosen
-    adapter's declaration.
+    layer may use (window, soft cap, sinks, ALiBi, block sizes, CUDA graphs) is the
+    chosen adapter's declaration. Long decodes split KV: FA3 by its own heuristic, FA4
+    through its ``num_splits`` where it can (SM100), else through pagedkv's split-KV
+    combinator (pagedkv.toolkit.split_kv), which FA4's log-sum-exp makes possible.
     """
 
     name = "flash_attn"
     priority = 50
-    layout = "(2, num_blocks, block_size, num_kv_heads, head_size)"
-    block_axis = 1
+    kv_layout = KV_FIRST
     option_specs: ClassVar[Mapping[str, BackendOption]] = {
         "impl": BackendOption(
             None,
             "FlashAttention generation: fa4, fa3 or fa2 (default: the best one installed)",
             choices=tuple(ADAPTERS),
         ),
+        "num_splits": BackendOption(
+            None,
+            "KV splits per long decode; unset or 0 chooses per batch, 1 never splits",
+            kind=int,
+        ),
     }
 
     def __init__(self, **options: OptionValue) -> None:
         super().__init__(**options)
+        splits = self.options["num_splits"]
+        if splits is not None and not 0 <= int(splits) <= SPLIT_POLICY.max_splits:
+            raise ConfigError(
+                f"option num_splits={splits}: expected 0 (choose) to {SPLIT_POLICY.max_splits}"
+            )
         self._choice: Choice | None = None  # resolved on first use, not at construction
 
     # -- adapter --------------------------------------------------------------------------
@@ -58,11 +72,8 @@ class FlashAttnBackend(AttentionBackend):
     def choice(self) -> Choice:
         """Which adapter runs here (looks at installed files and the GPU, imports nothing)."""
         if self._choice is None:
-            major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
             forced = self.options["impl"]
-            self._choice = choose_adapter(
-                None if forced is None else str(forced), installed_adapters(), major
-            )
+            self._choice = resolve_adapter(None if forced is None else str(forced))
         return self._choice
 
     @property
@@ -77,24 +88,13 @@ class FlashAttnBackend(AttentionBackend):
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """The adapter's declaration (a property: the adapter depends on the machine)."""
         return self.adapter.capabilities
-
-    # -- layout -----------------------------------------------------------------------
-
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0], kv_cache[1]
 
     # -- parts ------------------------------------------------------------------------
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.flash_attn.impl import FlashAttnMetadataBuilder
+        from pagedkv.backends.flash_attn.builder import FlashAttnMetadataBuilder
 
         return FlashAttnMetadataBuilder
 
@@ -102,15 +102,6 @@ class FlashAttnBackend(AttentionBackend):
         from pagedkv.backends.flash_attn.impl import FlashAttnImpl
 
         return FlashAttnImpl
-
-    def make_impl(
-        self, spec: AttentionSpec, *, sinks: torch.Tensor | None = None
-    ) -> AttentionImpl[Any]:
-        self.require(spec)
-        choice = self.choice()
-        if choice.adapter is None:
-            raise UnsupportedError(f"{self!r}: {choice.reason}")
-        return self.get_impl_cls()(spec, sinks=sinks, adapter=choice.adapter, **self.options)
 
     # -- support ----------------------------------------------------------------------
 
@@ -136,11 +127,19 @@ class FlashAttnBackend(AttentionBackend):
             )
         return True, f"runs {choice.adapter.describe()}"
 
-    def validate(self, spec: AttentionSpec, device: torch.device | str | None = None) -> list[str]:
+    def validate_extra(self, spec: AttentionSpec) -> list[str]:
         adapter = self.adapter
-        reasons = adapter.capabilities.problems(spec, f"{self.name} ({adapter.name})")
-        if device is not None and torch.device(device).type != "cuda":
-            reasons.append(
-                f"device {torch.device(device).type} not supported by {self.name} (supports cuda)"
+        out = combination_problems(adapter, spec)
+        splits = int(self.options["num_splits"] or 0)
+        if splits > 1 and not adapter.native_split_majors and not adapter.returns_lse:
+            out.append(
+                f"num_splits={splits} is not supported by flash_attn ({adapter.name}): its "
+                "paged call neither splits KV nor returns the log-sum-exp to merge slices by"
             )
-        return reasons + combination_problems(adapter, spec)
+        problem = split_problem(spec)
+        if splits > 1 and problem and gpu_major() not in adapter.native_split_majors:
+            out.append(
+                f"num_splits={splits}: flash_attn ({adapter.name}) splits through pagedkv's "
+                f"combinator here, which cannot split this layer: {problem}"
+            )
+        return out

@@ -1,119 +1,116 @@
-"""FlashAttention's metadata builder and attention: one varlen paged call per layer."""
+"""FlashAttention's attention: the chosen adapter's paged call, once per layer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
-from pagedkv.backends.flash_attn.adapters import Adapter, PagedCall
-from pagedkv.errors import MetadataError, UnsupportedError
-from pagedkv.kv_write import write_kv_by_slot
-from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.backend import AttentionImpl
+from pagedkv.backends.flash_attn.adapters import PagedCall, require_adapter
+from pagedkv.backends.flash_attn.builder import FlashAttnMetadata
+from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-
-
-@dataclass(frozen=True)
-class FlashAttnMetadata:
-    common: CommonAttentionMetadata
-    cu_seqlens_k: torch.Tensor  # [B+1] int32, device: cumulative seq_lens (FA2's varlen K)
-    block_table: torch.Tensor  # [B, max_blocks] int32, device, contiguous rows
-
-
-class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
-    """Adds what the FlashAttention calls need beyond the common metadata; mixed
-    decode and prefill rows go into one varlen call, in the caller's order."""
-
-    def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
-        if common.block_size != self.spec.block_size:
-            raise MetadataError(
-                f"block_size: metadata uses {common.block_size}, the layer's spec "
-                f"{self.spec.block_size}"
-            )
-        cu = torch.zeros(common.num_reqs + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(common.seq_lens_cpu, 0)
-        return FlashAttnMetadata(
-            common=common,
-            cu_seqlens_k=cu.to(common.device, non_blocking=True),
-            block_table=common.block_table.contiguous(),
-        )
+from pagedkv.toolkit.split_kv import attend_sliced
 
 
 class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
-    """Writes new K/V by slot mapping, then runs the chosen adapter's paged call."""
+    """Runs the adapter's paged call (the shared forward has written the new K/V: the
+    pool is zero-filled and the shared writer stores only what it is given, fp8
+    saturated, so rows past a sequence's end stay finite, as FA4's TMA page loads
+    require). A step with sliced long decodes runs the call once over the slices and
+    merges them (pagedkv.toolkit.split_kv)."""
 
     def __init__(
         self,
         spec: AttentionSpec,
         *,
         sinks: torch.Tensor | None = None,
-        adapter: Adapter,
+        impl: str | None = None,
         **options: Any,
     ) -> None:
         super().__init__(spec, sinks=sinks, **options)
-        self.adapter = adapter
-        self._kernel: Callable[..., Any] | None = None  # imported on the first forward
+        self.adapter = require_adapter(impl)
+        self._kernel: Callable[..., Any] | None = None  # imported on the first call
         self._alibi = (
             None
             if spec.alibi_slopes is None
             else torch.tensor(spec.alibi_slopes, dtype=torch.float32)
         )
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        metadata: FlashAttnMetadata,
-    ) -> None:
-        if value is None:
-            raise UnsupportedError("value: expected a tensor, got None")
-        # the pool is zero-filled and this writer stores only what it is given (fp8
-        # saturates), so rows past a sequence's end stay finite, as FA4's TMA page
-        # loads require
-        slots = metadata.common.slot_mapping
-        write_kv_by_slot(
-            key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale
-        )
-
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: FlashAttnMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        common = metadata.common
-        self.check_forward_args(query, key, value, common.num_tokens, output)
-        self._check_cache(kv_cache)
-        if key is not None:
-            self.write_kv(key, value, kv_cache, metadata)
-        out = self.new_output(query, output)
-        n = common.num_actual_tokens
-        if n == 0:
-            return out
+        output: torch.Tensor,
+    ) -> None:
+        sinks = None if self.sinks is None else self._sinks_on(query.device)
+        if metadata.sliced is not None:
+            sliced = metadata.sliced
+            attend_sliced(self, sliced.slices, sliced.metadata, query, kv_cache, output, sinks)
+            return
+        if metadata.rows:
+            out, _ = self._call(query, kv_cache, metadata, sinks, return_lse=False)
+            output[: metadata.rows] = out
+
+    def attend_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashAttnMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the sinks, with each row's log-sum-exp (natural log),
+        [T, num_heads] float32 (FA4's ``return_lse``). Returns FA4's own tensors when
+        they cover every row (the sliced steps: no copy), else ``(output, lse)``."""
+        if not self.adapter.returns_lse:
+            raise UnsupportedError(
+                f"flash_attn ({self.adapter.name}) does not return the log-sum-exp"
+            )
+        rows = metadata.rows
+        if not rows:
+            return output, lse
+        out, row_lse = self._call(query, kv_cache, metadata, None, return_lse=True)
+        assert row_lse is not None
+        row_lse = row_lse.t()  # FA4's varlen LSE is [num_heads, rows]
+        if rows == output.shape[0]:
+            return out, row_lse
+        output[:rows] = out
+        lse[:rows] = row_lse
+        return output, lse
+
+    def _call(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashAttnMetadata,
+        sinks: torch.Tensor | None,
+        *,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._kernel is None:
             self._kernel = self.adapter.load()
+        common = metadata.common
+        key_cache, value_cache = self.layout().logical(kv_cache, self.spec)
         call = PagedCall(
-            query=query[:n],
-            key_cache=kv_cache[0],
-            value_cache=kv_cache[1],
+            query=query[: metadata.rows],
+            key_cache=key_cache,
+            value_cache=value_cache,
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             cu_seqlens_k=metadata.cu_seqlens_k,
-            block_table=metadata.block_table,
+            block_table=common.block_table,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
             spec=self.spec,
-            sinks=None if self.sinks is None else self._sinks_on(query.device),
+            sinks=sinks,
             alibi_slopes=None if self._alibi is None else self._alibi_on(query.device),
+            num_splits=metadata.num_splits,
+            return_lse=return_lse,
         )
-        out[:n] = self.adapter.run(self._kernel, call)
-        return out
+        return self.adapter.run(self._kernel, call)
 
     # per-head vectors move to the query's device once, not on every layer call
 
@@ -128,21 +125,3 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         if self._alibi.device != device:
             self._alibi = self._alibi.to(device)
         return self._alibi
-
-    def _check_cache(self, kv_cache: torch.Tensor) -> None:
-        s = self.spec
-        per_block = (s.block_size, s.num_kv_heads, s.head_size)
-        if (
-            not isinstance(kv_cache, torch.Tensor)
-            or kv_cache.dim() != 5
-            or kv_cache.shape[0] != 2
-            or tuple(kv_cache.shape[2:]) != per_block
-        ):
-            got = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
-            raise UnsupportedError(
-                f"kv_cache: expected shape [2, num_blocks, {', '.join(map(str, per_block))}], got {got}"
-            )
-        if kv_cache.dtype != s.cache_dtype:
-            raise UnsupportedError(
-                f"kv_cache: expected dtype {s.cache_dtype}, got {kv_cache.dtype}"
-            )

@@ -1,4 +1,4 @@
-"""The FlashInfer backend's layouts, options and declared capabilities."""
+"""The FlashInfer backend's declaration: layouts, options and capabilities."""
 
 from __future__ import annotations
 
@@ -18,31 +18,29 @@ from pagedkv.backend import (
     OptionValue,
 )
 from pagedkv.capabilities import Capabilities, MultipleOf
-from pagedkv.errors import UnsupportedError
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
+from pagedkv.layout import BLOCK_HND, BLOCK_NHD
 from pagedkv.spec import AttentionSpec
 
-LAYOUTS = {
-    "NHD": "(num_blocks, 2, block_size, num_kv_heads, head_size)",
-    "HND": "(num_blocks, 2, num_kv_heads, block_size, head_size)",
-}
+KV_LAYOUTS = {"NHD": BLOCK_NHD, "HND": BLOCK_HND}
 
 
 class FlashInferBackend(AttentionBackend):
     """FlashInfer's batch decode and batch prefill wrappers over one paged cache.
 
     Per step the builder converts the block table to FlashInfer's CSR page lists and
-    runs ``plan()``; per layer ``forward`` only calls ``run()``: single-token rows go
+    runs ``plan()``; per layer ``attend`` only calls ``run()``: single-token rows go
     through ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores), multi-token rows
     through ``BatchPrefillWithPagedKVCacheWrapper``. Layers with sinks run every row
     through ``BatchAttentionWithAttentionSinkWrapper``, because the plain wrappers'
     fa2/fa3 kernels (everything below SM100) drop ``run(sinks=...)`` without a word.
+    After ``reserve_cuda_graph`` pure-decode steps plan on fixed-buffer wrappers.
     """
 
     name = "flashinfer"
     priority = 45
-    layout = LAYOUTS["NHD"]
-    block_axis = 0
+    kv_layout = BLOCK_NHD
     option_specs: ClassVar[Mapping[str, BackendOption]] = {
         "kv_layout": BackendOption(
             "NHD",
@@ -67,12 +65,14 @@ class FlashInferBackend(AttentionBackend):
                 Feature.SINKS,
                 Feature.NON_CAUSAL,
                 Feature.FP8_KV,
-                Feature.CUDA_GRAPH,
             }
         ),
         devices=frozenset({"cuda"}),
+        # mixed steps would need the prefill wrapper's graph mode, whose plan fixes the
+        # batch size and total rows at the first plan; not wired (docs/flashinfer.md)
+        cuda_graph=GraphSupport.PURE_DECODE,
         notes=(
-            "CUDA graphs: pure-decode steps built with build(common, cuda_graph=True)",
+            "CUDA graphs: pure-decode steps after builder.reserve_cuda_graph(...)",
             "ALiBi: FlashInfer applies its own slopes, not the layer's; not wired",
         ),
     )
@@ -80,38 +80,12 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, **options: OptionValue) -> None:
         super().__init__(**options)
         # the layout is a property of the configured instance, not of the class
-        self.layout = LAYOUTS[str(self.options["kv_layout"])]
-
-    @property
-    def kv_layout(self) -> str:
-        return str(self.options["kv_layout"])
-
-    # -- layout -----------------------------------------------------------------------
-
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        if self.kv_layout == "HND":
-            return (num_blocks, 2, num_kv_heads, block_size, head_size)
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        expected = self.get_kv_cache_shape(
-            kv_cache.shape[0], spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        if tuple(kv_cache.shape) != expected:
-            raise UnsupportedError(
-                f"kv_cache: expected the {self.kv_layout} shape {list(expected)}, "
-                f"got {list(kv_cache.shape)}"
-            )
-        return logical_views(kv_cache, self.kv_layout)
+        self.kv_layout = KV_LAYOUTS[str(self.options["kv_layout"])]
 
     # -- parts ------------------------------------------------------------------------
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.flashinfer.impl import FlashInferMetadataBuilder
+        from pagedkv.backends.flashinfer.builder import FlashInferMetadataBuilder
 
         return FlashInferMetadataBuilder
 
@@ -163,14 +137,6 @@ class FlashInferBackend(AttentionBackend):
                 "fa3 kernels read fp8 K/V only with fp8 queries (use prefill_backend=auto or fa2)"
             )
         return out
-
-
-def logical_views(kv_cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [num_blocks, block_size, num_kv_heads, head_size] views of a cache."""
-    k, v = kv_cache[:, 0], kv_cache[:, 1]
-    if kv_layout == "HND":
-        return k.transpose(1, 2), v.transpose(1, 2)
-    return k, v
 
 
 def jit_toolchain_problem() -> str | None:

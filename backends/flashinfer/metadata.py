@@ -1,5 +1,5 @@
-"""Host-side batch conversion for FlashInfer: block tables to CSR page lists, and the
-decode/prefill split of one step.
+"""Host-side batch conversion for FlashInfer: block tables to CSR page lists, the
+decode/prefill split of one step, and the padded decode batch of a CUDA-graph step.
 
 Nothing here imports FlashInfer, so it runs (and is tested) on any machine.
 """
@@ -156,3 +156,39 @@ def _group(
         csr=paged_kv_csr(table, seq[reqs], page_size),
         max_query_len=int(lens.max()),
     )
+
+
+def decode_rows_csr(common: CommonAttentionMetadata, num_rows: int) -> PagedKVCSR:
+    """Page lists for a pure-decode step as ``num_rows`` FlashInfer requests, one per
+    token row: row t < num_actual_tokens reads the pages of the request that owns it,
+    every later row is a padding request of one page, the null block 0, holding one
+    token (``last_page_len`` 1).
+
+    Why not an empty request: FlashInfer's kernels count no keys for a request without
+    pages, but its host planners take lengths from ``last_page_len`` (the sm90 scheduler
+    keeps them per work tile), and 0 reads as a full page in places (vLLM pads decode
+    batches with ``last_page_len`` 1 for that reason). A request of one real page means
+    the same length, 1, to every reader and reads only a valid block. The padding rows'
+    outputs land in padding rows, which the contract leaves unspecified.
+    """
+    qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
+    seq = common.seq_lens_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(qsl)
+    if (query_lens > 1).any():
+        i = int(np.flatnonzero(query_lens > 1)[0])
+        raise MetadataError(
+            f"request {i} has {query_lens[i]} query tokens: a CUDA-graph step of this "
+            "backend is pure decode (at most one query token per request)"
+        )
+    owner = np.repeat(np.arange(seq.size, dtype=np.int64), query_lens)
+    real = owner.size
+    if real > num_rows:
+        raise MetadataError(
+            f"{real} query rows exceed the {num_rows} rows of the CUDA-graph decode batch"
+        )
+    table = common.block_table
+    owner_rows = torch.from_numpy(np.pad(owner, (0, num_rows - real))).to(table.device)
+    rows_table = table.index_select(0, owner_rows)
+    rows_table[real:] = 0  # the null block
+    rows_seq = np.pad(seq[owner], (0, num_rows - real), constant_values=1)
+    return paged_kv_csr(rows_table, rows_seq, common.block_size)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any, ClassVar
 
 import torch
 from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
+from pagedkv.backends.mla.configs import SPLIT_POLICY
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
+from pagedkv.layout import LATENT
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.interpreter import interpreting
 
 # The [BLOCK_M, kv_lora_rank] float32 accumulator lives in registers, the rope part
 # of the query and the latent tiles in shared memory: these bound the padded widths.
@@ -32,11 +35,14 @@ class MLABackend(AttentionBackend):
 
     name = "mla"
     priority = 50
-    layout = "(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)"
-    block_axis = 0
+    kv_layout = LATENT
     option_specs: ClassVar[dict[str, BackendOption]] = {
         "num_splits": BackendOption(
-            None, "split-KV programs per tile (default: fill the GPU, see configs.py)", kind=int
+            None,
+            "split-KV programs per tile (default: fill the GPU, see configs.py)",
+            kind=int,
+            minimum=1,
+            maximum=SPLIT_POLICY.max_splits,
         ),
         "block_m": BackendOption(
             None, "query rows (token x head) per program", _pow2(16, 128), kind=int
@@ -61,6 +67,9 @@ class MLABackend(AttentionBackend):
         block_sizes=(MultipleOf(16),),
         features=frozenset({Feature.MLA, Feature.FP8_KV, Feature.NON_CAUSAL}),
         devices=frozenset({"cpu", "cuda"}),
+        # any step within the reserved bounds: tiles, splits and buffers come from the
+        # bounds, padding tiles and rows are skipped by the kernels (docs/mla.md)
+        cuda_graph=GraphSupport.MIXED,
         notes=(
             "cpu: only under the Triton interpreter (TRITON_INTERPRET=1), float16/float32",
             "fp8: the whole latent is stored / k_scale (V is a view of it; v_scale is unused)",
@@ -68,23 +77,10 @@ class MLABackend(AttentionBackend):
         ),
     )
 
-    # -- layout -----------------------------------------------------------------------
-
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        latent = kv_cache.unsqueeze(2)
-        return latent, latent[..., : spec.kv_lora_rank]
-
     # -- parts ------------------------------------------------------------------------
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.mla.impl import MLAMetadataBuilder
+        from pagedkv.backends.mla.builder import MLAMetadataBuilder
 
         return MLAMetadataBuilder
 
@@ -104,7 +100,7 @@ class MLABackend(AttentionBackend):
         missing = self.missing_dependency()
         if missing:
             return False, missing
-        if not torch.cuda.is_available() and not _interpreting():
+        if not torch.cuda.is_available() and not interpreting():
             return False, "no CUDA device, and TRITON_INTERPRET=1 is not set for a CPU run"
         return True, ""
 
@@ -133,7 +129,3 @@ class MLABackend(AttentionBackend):
                 f"(at most {MAX_ROPE_DIM})"
             )
         return out
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

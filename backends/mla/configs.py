@@ -9,8 +9,10 @@ and the padded latent width. ``CONFIGS`` holds the measured choices;
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from pagedkv.intmath import next_power_of_2
+from pagedkv.toolkit.split_kv import SplitPolicy
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,6 @@ class KernelConfig:
         )
 
 
-@dataclass(frozen=True)
-class SplitPolicy:
-    """How many programs share one tile's KV range (split-KV)."""
-
-    waves: float = 1.0  # aim for this many programs per SM before splitting stops
-    min_kv_per_split: int = 256  # never give a split fewer KV positions than this
-    max_splits: int = 64
-
-
 # (architecture, element bytes of the query dtype, padded kv_lora_rank) -> config.
 # Anything absent falls back to choose_config's sizing rule. "interpret" is the Triton
 # interpreter on a CPU: small tiles, so that the CPU tests cover several tiles per
@@ -60,9 +53,34 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("interpret", 4, 0): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
 }
 
-SPLIT_POLICY = SplitPolicy()
-# The interpreter has no SMs; pretend to have a few so that small CPU batches split.
-INTERPRET_NUM_SMS = 8
+# Split the KV range only while the grid is short of one program per SM, into enough
+# splits for one program per SM, never below 256 positions a split, at most 64 (any
+# query length: prefill tiles split too).
+SPLIT_POLICY = SplitPolicy(
+    max_query_len=None,
+    split_below_programs_per_sm=1,
+    target_programs_per_sm=1,
+    min_keys_per_split=256,
+    max_splits=64,
+)
+
+# The Gluon sm_90 kernel (gluon_kernels.py): its tile shape is part of its design
+# (one warpgroup's wgmma M; latent tiles in pairs in a two-slot ring), not a tuning knob.
+GLUON_BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M
+GLUON_BLOCK_N = 64  # latent rows per tile
+GLUON_NUM_WARPS = 4  # per warpgroup; the kernel runs two (the second is a worker partition)
+GLUON_WORKER_REGS = 240  # registers per thread of the worker warpgroup (setmaxnreg)
+GLUON_PIECES = 4  # TMA pieces per half tile, each on its own barrier: scores start on the first
+
+
+def gluon_piece_width(lora: int) -> int:
+    """Latent columns per TMA piece: a half of kv_c in GLUON_PIECES pieces of 64-column units."""
+    return max(64, lora // 2 // GLUON_PIECES)
+
+
+def pad_dim(n: int) -> int:
+    """Power of two >= n and >= 16 (tl.arange needs powers of two, tl.dot K >= 16)."""
+    return max(16, next_power_of_2(n))
 
 
 def arch_of(capability: tuple[int, int] | None) -> str:
@@ -91,34 +109,3 @@ def choose_config(arch: str, elem_bytes: int, l_pad: int, r_pad: int) -> KernelC
     ):
         block_n //= 2
     return KernelConfig(block_m, block_n, num_warps, num_stages)
-
-
-def choose_splits(
-    num_tiles: int,
-    max_kv_len: int,
-    block_n: int,
-    num_sms: int,
-    policy: SplitPolicy = SPLIT_POLICY,
-    forced: int | None = None,
-) -> tuple[int, int]:
-    """(num_splits, kv_per_split): split the KV range only while the grid is short of
-    ``policy.waves`` programs per SM (or into ``forced`` parts); kv_per_split is a
-    multiple of block_n, and no split is empty for the longest tile."""
-    if num_tiles == 0 or max_kv_len <= 0:
-        return 1, block_n
-    if forced is not None:
-        splits = max(1, forced)
-    else:
-        want = max(1, math.floor(policy.waves * num_sms / num_tiles))
-        by_length = max(1, _cdiv(max_kv_len, policy.min_kv_per_split))
-        splits = max(1, min(want, by_length, policy.max_splits))
-    kv_per_split = _round_up(_cdiv(max_kv_len, splits), block_n)
-    return _cdiv(max_kv_len, kv_per_split), kv_per_split
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b

@@ -1,5 +1,5 @@
 """The Hopper (sm_90) MLA attention kernel, written in Gluon (Triton's explicit-layout
-dialect), and its launch plan.
+dialect); device code only (plan.py plans its launch).
 
 Why a second kernel: in ``_mla_attention`` (kernels.py) every warp runs the same
 program, so the softmax of a tile and its matmuls take turns on one instruction
@@ -31,16 +31,12 @@ It computes what ``_mla_attention`` does (the same tiles, split-KV partial outpu
 and log2-sum-exp for ``_mla_reduce``, causal limit per row; P0 is rounded to 16 bits
 once more, when moved to the pair's max) for 16-bit
 queries and caches with kv_lora_rank 128, 256 or 512; fp8 caches, fp32, other GPUs
-and the interpreter use the Triton kernel. ``applies`` says when this one is chosen.
+and the interpreter use the Triton kernel. ``plan.gluon_problem`` says when this one is
+chosen. A tile with no query rows (the padding of a CUDA-graph step) does nothing.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-import torch
-from pagedkv.backends.mla.kernels import LOG2E
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -50,47 +46,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M
-BLOCK_N = 64  # latent rows per tile
-NUM_WARPS = 4  # per warpgroup; the kernel runs two (the second is a worker partition)
-WORKER_REGS = 240  # registers per thread of the worker warpgroup (setmaxnreg)
-PIECES = 4  # TMA pieces per half tile, each on its own barrier: scores start on the first
-
-
-def piece_width(lora: int) -> int:
-    """Latent columns per TMA piece: a half of kv_c in PIECES pieces of 64-column units."""
-    return max(64, lora // 2 // PIECES)
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 # shared-memory barriers between the two warpgroups
 _P0 = gl.constexpr(1)  # warpgroup 0's P0 (at its own max) is in the P buffer, the max in stats[0]
 _P1 = gl.constexpr(2)  # warpgroup 1's P1 (at the pair's max) is there, the max in stats[1]
 _SUM = gl.constexpr(3)  # (+ warpgroup) the row sums are in stats[2 + warpgroup]
-
-
-def applies(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, capability: tuple[int, int]
-) -> str | None:
-    """None when this kernel can run the launch, else why not (the Triton kernel does)."""
-    lora, rope, block_size = q_nope.shape[2], q_pe.shape[2], cache.shape[1]
-    if capability != (9, 0):
-        return f"wgmma needs sm_90 (this device is sm_{capability[0]}{capability[1]})"
-    if q_nope.dtype not in _GL_DTYPES or cache.dtype != q_nope.dtype:
-        return f"16-bit query and cache only (query {q_nope.dtype}, cache {cache.dtype})"
-    if lora not in (128, 256, 512) or rope != 64:
-        return f"kv_lora_rank 128, 256 or 512 and rope 64 only (got {lora}, {rope})"
-    if block_size % BLOCK_N:
-        return f"block_size {block_size} is not a multiple of {BLOCK_N}"
-    width = lora + rope
-    if cache.stride() != (block_size * width, width, 1) or cache.data_ptr() % 16:
-        return "the cache must be contiguous and 16-byte aligned (TMA)"
-    if cache.shape[0] * block_size >= 2**31 - BLOCK_N:
-        return "more than 2**31 latent rows (TMA coordinates are 32-bit)"
-    return None
 
 
 @gluon.jit
@@ -341,6 +301,9 @@ def _mla_attention_sm90(
     context_len = seq_len - q_len
     last_tok = gl.minimum(row0 + TILE_M - 1, q_len * NUM_HEADS - 1) // NUM_HEADS
     kv_len = context_len + last_tok + 1 if CAUSAL else seq_len
+    # a tile with no query rows (CUDA-graph padding): no loads, no block-table reads,
+    # no stores (every row is masked)
+    kv_len = gl.where(row0 < q_len * NUM_HEADS, kv_len, 0)
     kv_lo = split * kv_per_split
     kv_hi = gl.minimum(kv_len, kv_lo + kv_per_split)
     n_iter = (gl.maximum(kv_hi - kv_lo, 0) + TILE_N - 1) // TILE_N
@@ -398,108 +361,3 @@ def _mla_attention_sm90(
         [gl.num_warps()],  # the second warpgroup: as many warps as the first
         [WORKER_REGS],
     )
-
-
-@dataclass(frozen=True)
-class _CacheBase:
-    """What a TMA descriptor reads from its base tensor (address and dtype), without
-    keeping the cache tensor alive."""
-
-    address: int
-    dtype: torch.dtype
-
-    def data_ptr(self) -> int:
-        return self.address
-
-
-# (address, shape, strides, dtype) of a cache -> its descriptors. Building them costs
-# tens of microseconds of Python per call (a decode step is ~100 us on the GPU); the
-# same bytes always give the same descriptors, so a reused address is harmless.
-_DESCRIPTORS: dict[tuple, tuple[TensorDescriptor, TensorDescriptor]] = {}
-_MAX_CACHED = 1024
-
-
-def descriptors(cache: torch.Tensor, lora: int, rope: int) -> tuple[TensorDescriptor, ...]:
-    """TMA descriptors of the cache's latent rows: a piece of kv_c, and k_pe."""
-    key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, lora, rope)
-    found = _DESCRIPTORS.get(key)
-    if found is not None:
-        return found
-    layout = _layout(cache.dtype)
-    rows = [cache.shape[0] * cache.shape[1], lora + rope]
-    base = _CacheBase(cache.data_ptr(), cache.dtype)
-    made = (
-        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, piece_width(lora)], layout),
-        TensorDescriptor(base, rows, [lora + rope, 1], [BLOCK_N, rope], layout),
-    )
-    if len(_DESCRIPTORS) >= _MAX_CACHED:
-        _DESCRIPTORS.clear()
-    _DESCRIPTORS[key] = made
-    return made
-
-
-@functools.cache
-def _layout(dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    # the 128-byte swizzle of a [64, 64] 16-bit tile; wider tiles of 64-column multiples
-    # get the same one, so every shared buffer of the kernel uses it
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], _GL_DTYPES[dtype])
-
-
-def plan(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    tiles: torch.Tensor,
-    out: torch.Tensor,
-    mid_o: torch.Tensor,
-    mid_lse: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool,
-    num_splits: int,
-    kv_per_split: int,
-) -> tuple:
-    """The attention launch ``(kernel, grid, args, kwargs)``; tiles of 64 rows."""
-    num_heads, lora, rope = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
-    half_desc, rope_desc = descriptors(cache, lora, rope)
-    args = (
-        q_nope,
-        q_pe,
-        half_desc,
-        rope_desc,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        tiles[0],
-        tiles[1],
-        out,
-        mid_o,
-        mid_lse,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        block_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        scale * LOG2E,
-        kv_per_split,
-        num_splits,
-        cache.shape[0] * cache.shape[1],
-    )
-    kwargs = dict(
-        NUM_HEADS=num_heads,
-        L=lora,
-        R=rope,
-        BLOCK_SIZE=cache.shape[1],
-        TILE_M=BLOCK_M,
-        TILE_N=BLOCK_N,
-        ONE_SPLIT=num_splits == 1,
-        CAUSAL=causal,
-        WORKER_REGS=WORKER_REGS,
-        num_warps=NUM_WARPS,
-    )
-    return (_mla_attention_sm90, (tiles.shape[1], num_splits), args, kwargs)

@@ -8,10 +8,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
+from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from pagedkv.backends.pallas import configs
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.errors import ConfigError
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
+from pagedkv.layout import INTERLEAVED_HEADS
+from pagedkv.options import BackendOption
 from pagedkv.spec import AttentionSpec
 
 # Register pressure of one tile (block_m x head_pad fp32 accumulator) bounds the head size.
@@ -27,9 +31,9 @@ class PallasBackend(AttentionBackend):
 
     name = "pallas"
     priority = 5  # below torch: interpret mode on CPU is slower than plain torch
-    # K of KV head h at index 2h, V at 2h + 1 (the ragged-paged-attention convention)
-    layout = "(num_blocks, block_size, 2 * num_kv_heads, head_size)"
-    block_axis = 0
+    # (num_blocks, block_size, 2 * num_kv_heads, head_size): K of KV head h at index
+    # 2h, V at 2h + 1 (the ragged-paged-attention convention)
+    kv_layout = INTERLEAVED_HEADS
     capabilities = Capabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
@@ -46,6 +50,8 @@ class PallasBackend(AttentionBackend):
             }
         ),
         devices=frozenset({"cpu", "cuda"}),
+        # the kernel runs on JAX's stream, which a torch CUDA graph does not capture
+        cuda_graph=GraphSupport.NEVER,
         notes=(
             "no CUDA graphs: the kernel runs on JAX's stream, outside torch's capture",
             "head sizes are padded to a power of two (>= 16) inside the kernel",
@@ -53,16 +59,31 @@ class PallasBackend(AttentionBackend):
     )
     option_specs: ClassVar[Mapping[str, BackendOption]] = {
         "block_m": BackendOption(
-            0, "Query rows (tokens x grouped heads) per tile, a power of two; 0: auto", kind=int
+            0,
+            "Query rows (tokens x grouped heads) per tile, a power of two; 0: auto",
+            kind=int,
+            minimum=0,
         ),
         "block_n": BackendOption(
-            0, "Keys per inner-loop step, a power of two; 0: auto (64, 32 past head 128)", kind=int
+            0,
+            "Keys per inner-loop step, a power of two; 0: auto (64, 32 past head 128)",
+            kind=int,
+            minimum=0,
         ),
-        "num_kv_splits": BackendOption(
-            0, "KV splits per query tile (flash-decoding); 0: auto (1 on CPU)", kind=int
+        "num_splits": BackendOption(
+            0,
+            f"KV splits per query tile (flash-decoding), at most "
+            f"{configs.SPLIT_POLICY.max_splits}; 0: chosen per step",
+            kind=int,
+            minimum=0,
+            maximum=configs.SPLIT_POLICY.max_splits,
         ),
-        "num_warps": BackendOption(4, "Triton warps per program (GPU)", kind=int),
-        "num_stages": BackendOption(2, "Triton pipeline stages (GPU)", kind=int),
+        "num_warps": BackendOption(
+            configs.NUM_WARPS, "Triton warps per program (GPU)", kind=int, minimum=1
+        ),
+        "num_stages": BackendOption(
+            configs.NUM_STAGES, "Triton pipeline stages (GPU)", kind=int, minimum=1
+        ),
     }
 
     def __init__(self, **options: Any) -> None:
@@ -72,30 +93,11 @@ class PallasBackend(AttentionBackend):
             value = int(self.options[key])
             if value and (value < 16 or value & (value - 1)):
                 raise ConfigError(f"option {key}={value}: expected a power of two >= 16")
-        if int(self.options["num_kv_splits"]) < 0:
-            raise ConfigError(
-                f"option num_kv_splits={self.options['num_kv_splits']}: expected >= 0"
-            )
-        for key in ("num_warps", "num_stages"):
-            if int(self.options[key]) < 1:
-                raise ConfigError(f"option {key}={self.options[key]}: expected >= 1")
-
-    # -- layout -----------------------------------------------------------------------
-
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, 2 * num_kv_heads, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[:, :, 0::2], kv_cache[:, :, 1::2]
 
     # -- parts ------------------------------------------------------------------------
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.pallas.impl import PallasMetadataBuilder
+        from pagedkv.backends.pallas.builder import PallasMetadataBuilder
 
         return PallasMetadataBuilder
 
@@ -124,7 +126,6 @@ def jax_missing() -> str | None:
     if importlib.util.find_spec("jax") is None:
         return "jax is not installed (pip install 'pagedkv[jax]')"
     try:
-        # importing interop sets JAX's GPU allocator flags; no import starts a JAX backend
         from jax.experimental import pallas  # noqa: F401
         from pagedkv.backends.pallas import interop  # noqa: F401
     except ImportError as exc:
@@ -138,13 +139,14 @@ def jax_gpu_unavailable() -> str | None:
     missing = jax_missing()
     if missing:
         return missing
-    from pagedkv.backends.pallas import interop  # sets the allocator flags before JAX starts
+    from pagedkv.backends.pallas import interop
 
     try:
         import jax
         from jax.experimental.pallas import triton  # noqa: F401
     except ImportError as exc:
         return f"jax {interop.jax_version()} has no Pallas Triton lowering ({exc})"
+    interop.configure_jax()  # jax.devices starts JAX's GPU client
     try:
         jax.devices("gpu")
     except RuntimeError:

@@ -9,16 +9,42 @@ orders the kernel after the torch writes that came before it.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
 import jax
 import torch
 
-# JAX grabs 75% of GPU memory when its GPU backend starts unless told otherwise, and
-# torch owns the cache. Importing jax does not start a backend; the first
-# computation does, and this module is imported before the backend computes anything.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+_PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+@functools.cache
+def configure_jax() -> None:
+    """Configure JAX for sharing a GPU with torch; call before JAX's first computation.
+
+    JAX's GPU client takes 75% of the GPU's memory when it starts unless told not to
+    preallocate, and torch owns the cache, so this asks the client (through
+    ``jax_pjrt_client_create_options``, merged with any options already set) to
+    allocate on demand. A choice the user made stands: an explicit
+    ``XLA_PYTHON_CLIENT_PREALLOCATE`` or a ``preallocate`` client option. Importing jax
+    starts no client; the backend calls this before it asks JAX for a device. A JAX
+    that has already started its GPU client keeps its allocator (set the variable
+    yourself when JAX computes on the GPU before pagedkv does).
+    """
+    if os.environ.get(_PREALLOCATE_ENV):
+        return
+    current = jax.config.jax_pjrt_client_create_options
+    if isinstance(current, str):
+        options: dict[str, object] = dict(
+            item.split(":", 1) for item in current.split(";") if ":" in item
+        )
+    else:
+        options = dict(current or {})
+    if "preallocate" not in options:
+        options["preallocate"] = False
+        jax.config.update("jax_pjrt_client_create_options", options)
+
 
 # DLPack hands these over without a copy (int64 would be converted unless jax_enable_x64)
 ZERO_COPY_DTYPES = frozenset(

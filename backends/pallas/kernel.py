@@ -1,10 +1,10 @@
 """The Pallas ragged paged-attention kernel and its jitted wrapper.
 
 One program attends one *query tile* (``block_q`` consecutive query rows of one
-request, times the ``group`` query heads that share a KV head) against that
-request's keys, for one KV head and one KV split. Query tiles of every request are
-listed by the metadata builder (``tile_req``/``tile_qstart``), so prefill chunks and
-decode tokens of a mixed batch share one launch.
+request, times the ``group`` query heads that share a KV head: GQA packed into the
+tile's rows) against that request's keys, for one KV head and one KV split. Query
+tiles of every request are listed by the metadata builder (``tile_req``/``tile_qstart``),
+so prefill chunks and decode tokens of a mixed batch share one launch.
 
 The cache is the whole ``[num_blocks, block_size, 2 * num_kv_heads, head_size]``
 array in memory space ANY (K of KV head h at index 2h, V at 2h+1); keys are gathered
@@ -24,12 +24,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from pagedkv.backends.pallas import configs
 
 LOG2E = math.log2(math.e)
 TARGETS = ("interpret", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -56,7 +58,10 @@ class KernelConfig:
     v_scale: float = 1.0
     block_q: int = 1  # query rows per tile (block_m = block_q * group_pad)
     block_n: int = 64  # keys per inner-loop step
-    num_splits: int = 1  # KV splits per tile (flash-decoding); >1 adds a combine pass
+    # programs per tile along the keys (flash-decoding); > 1 adds a combine pass. The
+    # step's split count (<= split_slots) is an input: the programs past it attend an
+    # empty key range, so one compiled variant serves every count up to it
+    split_slots: int = 1
     target: str = "interpret"
     num_warps: int = 4
     num_stages: int = 2
@@ -64,7 +69,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
-        for name in ("block_q", "block_n", "num_splits"):
+        for name in ("block_q", "block_n", "split_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_n & (self.block_n - 1):
@@ -81,7 +86,7 @@ class KernelConfig:
 
     @property
     def group_pad(self) -> int:
-        return pl.next_power_of_2(self.group)
+        return configs.padded_group(self.group)
 
     @property
     def block_m(self) -> int:
@@ -91,27 +96,14 @@ class KernelConfig:
     @property
     def head_pad(self) -> int:
         """head_size rounded up to a power of two, at least 16 (the dot's minimum)."""
-        return max(16, pl.next_power_of_2(self.head_size))
+        return configs.head_pad(self.head_size)
 
     @property
     def name(self) -> str:
         return (
-            f"paged_attention_bm{self.block_m}_bn{self.block_n}_s{self.num_splits}"
+            f"paged_attention_bm{self.block_m}_bn{self.block_n}_s{self.split_slots}"
             f"_d{self.head_size}_bs{self.block_size}"
         )
-
-
-def default_block_n(head_size: int) -> int:
-    """Keys per step: K and V tiles of [block_n, head_pad] stay within a few tens of KiB."""
-    return 64 if head_size <= 128 else 32
-
-
-def num_tiles_bound(num_tokens: int, num_reqs: int, block_q: int) -> int:
-    """Most query tiles a batch of ``num_tokens`` rows over ``num_reqs`` requests needs.
-
-    Each request adds at most one partial tile, and every tile holds a token.
-    """
-    return max(1, min(num_tokens, -(-num_tokens // block_q) + num_reqs))
 
 
 # -- kernel -----------------------------------------------------------------------------
@@ -124,6 +116,7 @@ def _paged_attention_kernel(
     query_start_loc_ref,  # [num_reqs + 1] int32
     seq_lens_ref,  # [num_reqs] int32
     block_table_ref,  # [num_reqs, max_blocks] int32
+    num_splits_ref,  # [1] int32: the step's split count, 1 <= it <= cfg.split_slots
     slopes_ref,  # [num_heads] float32 (ALiBi; read only when cfg.use_alibi)
     sinks_ref,  # [num_heads] float32 (read only when cfg.use_sinks)
     q_ref,  # [T, num_heads, head_size]
@@ -147,6 +140,7 @@ def _paged_attention_kernel(
             query_start_loc_ref,
             seq_lens_ref,
             block_table_ref,
+            num_splits_ref,
             slopes_ref,
             sinks_ref,
             q_ref,
@@ -166,6 +160,7 @@ def _attend_tile(
     query_start_loc_ref,
     seq_lens_ref,
     block_table_ref,
+    num_splits_ref,
     slopes_ref,
     sinks_ref,
     q_ref,
@@ -228,10 +223,14 @@ def _attend_tile(
             kv_hi = jnp.minimum(last_q + cfg.sliding_window, seq_len)
     step_lo = kv_lo // bn
     step_hi = (kv_hi + bn - 1) // bn
-    if cfg.num_splits > 1:
-        per_split = (step_hi - step_lo + cfg.num_splits - 1) // cfg.num_splits
-        step_lo = step_lo + split * per_split
-        step_hi = jnp.minimum(step_lo + per_split, step_hi)
+    if cfg.split_slots > 1:
+        # the range cut into num_splits parts; a program past them gets an empty one
+        # and writes an empty partial (log2-sum-exp -inf), which the combine skips
+        num_splits = num_splits_ref[0]
+        per_split = (step_hi - step_lo + num_splits - 1) // num_splits
+        first = jnp.minimum(step_lo + split * per_split, step_hi)
+        step_hi = jnp.minimum(first + per_split, step_hi)
+        step_lo = first
 
     # -- running softmax state (base 2); the sink joins split 0's denominator --------
     neg_inf = jnp.float32(-jnp.inf)
@@ -239,8 +238,8 @@ def _attend_tile(
     l_i = jnp.zeros((bm,), jnp.float32)
     if cfg.use_sinks:
         sink = pl_triton.load(sinks_ref.at[head]) * LOG2E
-        m_i = jnp.where(split == 0, sink, m_i) if cfg.num_splits > 1 else sink
-        l_i = jnp.where(split == 0, 1.0, l_i) if cfg.num_splits > 1 else jnp.ones_like(l_i)
+        m_i = jnp.where(split == 0, sink, m_i) if cfg.split_slots > 1 else sink
+        l_i = jnp.where(split == 0, 1.0, l_i) if cfg.split_slots > 1 else jnp.ones_like(l_i)
     slope = pl_triton.load(slopes_ref.at[head]) if cfg.use_alibi else None
     acc = jnp.zeros((bm, dp), jnp.float32)
 
@@ -328,35 +327,33 @@ def _dot(a: jax.Array, b: jax.Array, trans_b: bool = False) -> jax.Array:
 # -- wrapper ------------------------------------------------------------------------------
 
 
+class StepArrays(NamedTuple):
+    """One step's metadata as int32 device arrays, made once per step by the builder."""
+
+    tile_req: jax.Array  # [num_tiles]: request of each query tile, -1 for an idle tile
+    tile_qstart: jax.Array  # [num_tiles]: first query row of the tile within its request
+    query_start_loc: jax.Array  # [num_reqs + 1]
+    seq_lens: jax.Array  # [num_reqs]
+    block_table: jax.Array  # [num_reqs, max_blocks]
+    num_splits: jax.Array  # [1]: KV splits of this step, 1 to cfg.split_slots
+
+
 def paged_attention(
     q: jax.Array,  # [T, num_heads, head_size]
     kv_cache: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_size]
-    tile_req: jax.Array,  # [num_tiles] int32
-    tile_qstart: jax.Array,  # [num_tiles] int32
-    query_start_loc: jax.Array,  # [num_reqs + 1] int32
-    seq_lens: jax.Array,  # [num_reqs] int32
-    block_table: jax.Array,  # [num_reqs, max_blocks] int32
+    step: StepArrays,
     slopes: jax.Array,  # [num_heads] float32
     sinks: jax.Array,  # [num_heads] float32
     *,
     cfg: KernelConfig,
 ) -> jax.Array:
     """Attention of every scheduled query row; returns [T, num_heads, head_size] in q's
-    dtype. Rows no tile covers (padding) are unspecified. Jitted per ``cfg`` and shapes.
+    dtype. Rows no tile covers (padding) are unspecified. Checks the shapes, then calls
+    ``jitted(cfg.target)`` (jitted per ``cfg`` and input shapes), which the backend's
+    impl calls directly: the contract has checked its inputs.
     """
-    _check_shapes(q, kv_cache, tile_req, tile_qstart, query_start_loc, seq_lens, block_table, cfg)
-    return jitted(cfg.target)(
-        q,
-        kv_cache,
-        tile_req,
-        tile_qstart,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        slopes,
-        sinks,
-        cfg=cfg,
-    )
+    _check_shapes(q, kv_cache, step, cfg)
+    return jitted(cfg.target)(q, kv_cache, step, slopes, sinks, cfg=cfg)
 
 
 # Interpret mode runs in milliseconds and compiles in seconds: compile it cheaply.
@@ -367,8 +364,9 @@ _COMPILER_OPTIONS = {
 
 @functools.cache
 def jitted(target: str):
-    """The jitted kernel call for ``target``; its cache holds one entry per config and
-    input shapes (``jitted(target)._cache_size()``)."""
+    """The jitted kernel call for ``target``: ``(q, kv_cache, step, slopes, sinks, *,
+    cfg)``; its cache holds one entry per config and input shapes
+    (``jitted(target)._cache_size()``)."""
     return jax.jit(
         _paged_attention_call,
         static_argnames=("cfg",),
@@ -376,19 +374,7 @@ def jitted(target: str):
     )
 
 
-def _paged_attention_call(
-    q,
-    kv_cache,
-    tile_req,
-    tile_qstart,
-    query_start_loc,
-    seq_lens,
-    block_table,
-    slopes,
-    sinks,
-    *,
-    cfg,
-):
+def _paged_attention_call(q, kv_cache, step: StepArrays, slopes, sinks, *, cfg: KernelConfig):
     num_tokens, num_heads, head_size = q.shape
     # interpret mode stores masked-off lanes too: they land in one extra row and in
     # the padding columns, where no real lane writes
@@ -396,24 +382,26 @@ def _paged_attention_call(
     out_rows = num_tokens + (1 if interpret else 0)
     out_width = cfg.head_pad if interpret else head_size
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    if cfg.num_splits == 1:
+    slots = cfg.split_slots
+    if slots == 1:
         out_shape = [jax.ShapeDtypeStruct((out_rows, num_heads, out_width), q.dtype)]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((cfg.num_splits, out_rows, num_heads, cfg.head_pad), jnp.float32),
-            jax.ShapeDtypeStruct((cfg.num_splits, out_rows, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((slots, out_rows, num_heads, cfg.head_pad), jnp.float32),
+            jax.ShapeDtypeStruct((slots, out_rows, num_heads), jnp.float32),
         ]
+    inputs = (*step, slopes, sinks, q, kv_cache)
     outs = pl.pallas_call(
         functools.partial(_paged_attention_kernel, cfg=cfg),
-        grid=(tile_req.shape[0], cfg.num_kv_heads, cfg.num_splits),
-        in_specs=[any_spec] * 9,
+        grid=(step.tile_req.shape[0], cfg.num_kv_heads, slots),
+        in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,
-        interpret=cfg.target == "interpret",
+        interpret=interpret,
         compiler_params=_compiler_params(cfg),
         name=cfg.name,
-    )(tile_req, tile_qstart, query_start_loc, seq_lens, block_table, slopes, sinks, q, kv_cache)
-    if cfg.num_splits == 1:
+    )(*inputs)
+    if slots == 1:
         return outs[0][:num_tokens, :, :head_size]
     return _combine_splits(
         outs[0][:, :num_tokens, :, :head_size], outs[1][:, :num_tokens], cfg
@@ -445,27 +433,22 @@ def _compiler_params(cfg: KernelConfig):
     return None
 
 
-def _check_shapes(q, kv_cache, tile_req, tile_qstart, query_start_loc, seq_lens, block_table, cfg):
-    num_reqs = seq_lens.shape[0]
+def _check_shapes(q, kv_cache, step: StepArrays, cfg: KernelConfig) -> None:
+    num_reqs = step.seq_lens.shape[0]
     want = {
         "q": (q.shape, (q.shape[0], cfg.num_heads, cfg.head_size)),
         "kv_cache": (
             kv_cache.shape,
             (kv_cache.shape[0], cfg.block_size, 2 * cfg.num_kv_heads, cfg.head_size),
         ),
-        "tile_qstart": (tile_qstart.shape, tile_req.shape),
-        "query_start_loc": (query_start_loc.shape, (num_reqs + 1,)),
-        "block_table": (block_table.shape[:1], (num_reqs,)),
+        "tile_qstart": (step.tile_qstart.shape, step.tile_req.shape),
+        "query_start_loc": (step.query_start_loc.shape, (num_reqs + 1,)),
+        "block_table": (step.block_table.shape[:1], (num_reqs,)),
+        "num_splits": (step.num_splits.shape, (1,)),
     }
     for name, (got, expected) in want.items():
         if tuple(got) != tuple(expected):
             raise ValueError(f"{name}: expected shape {list(expected)}, got {list(got)}")
-    for name, arr in (
-        ("tile_req", tile_req),
-        ("tile_qstart", tile_qstart),
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-        ("block_table", block_table),
-    ):
+    for name, arr in step._asdict().items():
         if arr.dtype != jnp.int32:
             raise ValueError(f"{name}: expected int32, got {arr.dtype}")

@@ -1,18 +1,15 @@
-"""Lowering the kernel without a GPU or TPU, and a smoke run on a GPU host.
+"""Lowering the kernel without a GPU or TPU, and a small problem to run it on.
 
 ``export_kernel(cfg, platform)`` lowers one kernel variant through ``jax.export``
 for ``cuda`` (the Pallas Triton form; compiles to PTX only on a GPU) or ``tpu``
-(Mosaic). ``VARIANTS`` covers every static branch of the kernel. On a GPU host::
-
-    python -m pagedkv.backends.pallas.lowering
-
-runs a small paged problem under each Pallas GPU lowering (Triton, Mosaic GPU) and
-prints which ones compile and match a NumPy reference.
+(Mosaic). ``VARIANTS`` covers every static branch of the kernel. ``smoke(target)``
+runs a small paged problem under one target and says whether it compiles and matches
+a NumPy reference (tests/test_pallas_lowering.py in interpret mode,
+tests/test_pallas_gpu.py under each Pallas GPU lowering).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import jax
@@ -20,12 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
-from pagedkv.backends.pallas.kernel import (
-    KernelConfig,
-    jitted,
-    num_tiles_bound,
-    paged_attention,
-)
+from pagedkv.backends.pallas.builder import num_tiles_bound, plan_tiles
+from pagedkv.backends.pallas.kernel import KernelConfig, StepArrays, jitted, paged_attention
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 TPU_KIND = "TPU v5e"  # any kind jax's tpu_info knows; the block-shape rules are shared
@@ -61,10 +54,10 @@ VARIANTS: dict[str, tuple[KernelConfig, str, str]] = {
         "bfloat16",
         "bfloat16",
     ),
-    "split4-sinks": (replace(_BASE, num_splits=4, use_sinks=True), "bfloat16", "bfloat16"),
+    "split4-sinks": (replace(_BASE, split_slots=4, use_sinks=True), "bfloat16", "bfloat16"),
     "fp8-e4m3": (replace(_BASE, k_scale=0.5, v_scale=2.0), "bfloat16", "float8_e4m3fn"),
     "fp8-e5m2-split2": (
-        replace(_BASE, k_scale=0.5, v_scale=2.0, num_splits=2),
+        replace(_BASE, k_scale=0.5, v_scale=2.0, split_slots=2),
         "float16",
         "float8_e5m2",
     ),
@@ -84,14 +77,18 @@ def abstract_args(cfg: KernelConfig, dtype: str, cache_dtype: str) -> tuple:
     i32, f32 = jnp.int32, jnp.float32
     tiles = num_tiles_bound(_T, _B, cfg.block_q)
     s = jax.ShapeDtypeStruct
+    step = StepArrays(
+        tile_req=s((tiles,), i32),
+        tile_qstart=s((tiles,), i32),
+        query_start_loc=s((_B + 1,), i32),
+        seq_lens=s((_B,), i32),
+        block_table=s((_B, _W), i32),
+        num_splits=s((1,), i32),
+    )
     return (
         s((_T, cfg.num_heads, cfg.head_size), jnp.dtype(dtype)),
         s((_N, cfg.block_size, 2 * cfg.num_kv_heads, cfg.head_size), jnp.dtype(cache_dtype)),
-        s((tiles,), i32),
-        s((tiles,), i32),
-        s((_B + 1,), i32),
-        s((_B,), i32),
-        s((_B, _W), i32),
+        step,
         s((cfg.num_heads,), f32),
         s((cfg.num_heads,), f32),
     )
@@ -128,7 +125,7 @@ def export_kernel(
         return lower(*args)
 
 
-# -- GPU smoke run ------------------------------------------------------------------------
+# -- a small problem ----------------------------------------------------------------------
 
 
 def _small_problem(rng: np.random.Generator, cfg: KernelConfig):
@@ -175,22 +172,19 @@ def smoke(target: str) -> str:
     cfg = replace(_BASE, target=target)
     rng = np.random.default_rng(0)
     q, cache, qsl, seq_lens, table = _small_problem(rng, cfg)
-    query_lens = np.diff(qsl)
-    per_req = -(-query_lens // cfg.block_q)
-    tiles = num_tiles_bound(q.shape[0], len(seq_lens), cfg.block_q)
-    tile_req = np.full(tiles, -1, np.int32)
-    tile_qstart = np.zeros(tiles, np.int32)
-    n = int(per_req.sum())
-    tile_req[:n] = np.repeat(np.arange(len(seq_lens)), per_req)
-    tile_qstart[:n] = (
-        np.arange(n) - np.repeat(np.cumsum(per_req) - per_req, per_req)
-    ) * cfg.block_q
-    zeros = np.zeros(cfg.num_heads, np.float32)
+    tile_req, tile_qstart = plan_tiles(np.diff(qsl), q.shape[0], cfg.block_q)
+    zeros = jnp.zeros(cfg.num_heads, jnp.float32)
+    step = StepArrays(
+        *(jnp.asarray(a) for a in (tile_req, tile_qstart, qsl, seq_lens, table)),
+        num_splits=jnp.ones(1, jnp.int32),
+    )
     try:
         out = paged_attention(
             jnp.asarray(q, jnp.bfloat16),
             jnp.asarray(cache, jnp.bfloat16),
-            *(jnp.asarray(a) for a in (tile_req, tile_qstart, qsl, seq_lens, table, zeros, zeros)),
+            step,
+            zeros,
+            zeros,
             cfg=cfg,
         )
         out = np.asarray(out.astype(jnp.float32))
@@ -202,18 +196,3 @@ def smoke(target: str) -> str:
     err = float(np.abs(out - _reference(q32, c32, qsl, seq_lens, table, cfg)).max())
     verdict = "WORKS" if err < 3e-2 else "WRONG RESULTS"
     return f"{target}: {verdict} (bf16, max abs error {err:.3g} vs NumPy)"
-
-
-def main() -> int:
-    print(f"jax {jax.__version__}, default backend {jax.default_backend()}, {jax.devices()[0]}")
-    if jax.default_backend() != "gpu":
-        print("no JAX GPU backend: nothing to smoke-test here")
-        return 1
-    results = [smoke(target) for target in ("triton", "mosaic_gpu")]
-    for line in results:
-        print(line)
-    return 0 if results[0].startswith("triton: WORKS") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

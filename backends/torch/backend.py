@@ -1,4 +1,4 @@
-"""The torch backend's layout and declared capabilities."""
+"""The torch backend: its layout and declared capabilities."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.features import Feature
-from pagedkv.spec import AttentionSpec
+from pagedkv.layout import KV_FIRST
 
 
 class TorchBackend(AttentionBackend):
@@ -16,8 +16,7 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     priority = 10
-    layout = "(2, num_blocks, block_size, num_kv_heads, head_size)"
-    block_axis = 1
+    kv_layout = KV_FIRST
     capabilities = Capabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
@@ -36,18 +35,8 @@ class TorchBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda"}),
     )
 
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0], kv_cache[1]
-
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:
-        from pagedkv.backends.torch.impl import TorchMetadataBuilder
+        from pagedkv.backends.torch.builder import TorchMetadataBuilder
 
         return TorchMetadataBuilder
 

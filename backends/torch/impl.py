@@ -1,83 +1,91 @@
-"""The torch backend's metadata builder and attention: gather each request's blocks,
-then masked softmax attention in fp32."""
+"""The torch backend's attention: gather each request's blocks through the layout's
+logical views, then masked softmax attention in fp32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
-from pagedkv.kv_write import dequantize_from_cache, write_kv_by_slot
-from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.backend import AttentionImpl
+from pagedkv.backends.torch.builder import TorchMetadata, TorchMetadataBuilder
+from pagedkv.intmath import cdiv
+from pagedkv.toolkit.kv_write import dequantize_from_cache
+
+# TorchMetadataBuilder is re-exported: plugins made from the first contract's template
+# import both parts from here
+__all__ = ["TorchAttentionImpl", "TorchMetadataBuilder"]
 
 # Scores of one query chunk stay under this many fp32 elements (~256 MiB).
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
-@dataclass(frozen=True)
-class TorchMetadata:
-    common: CommonAttentionMetadata
-    query_starts: list[int]  # [B+1] host copy of query_start_loc
-    seq_lens: list[int]  # [B] host copy
-
-
-class TorchMetadataBuilder(AttentionMetadataBuilder[TorchMetadata]):
-    def build(self, common: CommonAttentionMetadata) -> TorchMetadata:
-        return TorchMetadata(
-            common, common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist()
-        )
-
-
 class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        metadata: TorchMetadata,
-    ) -> None:
-        slots = metadata.common.slot_mapping
-        write_kv_by_slot(
-            key, value, kv_cache[0], kv_cache[1], slots, self.spec.k_scale, self.spec.v_scale
-        )
-
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: TorchMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        output: torch.Tensor,
+    ) -> None:
+        self._attend_requests(query, kv_cache, metadata, output, None)
+
+    def attend_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the sinks, also writing each row's log-sum-exp of its scaled
+        scores (natural log) into ``lse`` [T, num_heads] float32 (what the split-KV
+        combinator of pagedkv.toolkit.split_kv merges by; it adds the sinks once).
+        Returns ``(output, lse)``."""
+        lse[metadata.common.num_actual_tokens :] = float("-inf")
+        self._attend_requests(query, kv_cache, metadata, output, lse)
+        return output, lse
+
+    def _attend_requests(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
         common = metadata.common
-        self.check_forward_args(query, key, value, common.num_tokens, output)
-        if key is not None:
-            self.write_kv(key, value, kv_cache, metadata)
-        out = self.new_output(query, output)
-        out[common.num_actual_tokens :] = 0
+        output[common.num_actual_tokens :] = 0
+        k_cache, v_cache = self.layout().logical(kv_cache, self.spec)
         for i, seq_len in enumerate(metadata.seq_lens):
             q_start, q_end = metadata.query_starts[i], metadata.query_starts[i + 1]
             if q_end > q_start:
-                k, v = self._gather(kv_cache, common.block_table[i], seq_len)
-                self._attend(query[q_start:q_end], k, v, seq_len, out[q_start:q_end])
-        return out
+                k, v = self._gather(k_cache, v_cache, common.block_table[i], seq_len)
+                rows = slice(q_start, q_end)
+                # lse only when asked: subclasses may override _attend without it
+                extra = {} if lse is None else {"lse": lse[rows]}
+                self._attend(query[rows], k, v, seq_len, output[rows], **extra)
 
     def _gather(
-        self, kv_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This request's K and V as dense fp32 [seq_len, num_kv_heads, head_size]."""
-        num_blocks = -(-seq_len // kv_cache.shape[2])
-        ids = table_row[:num_blocks].long()
-        k = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len]
-        v = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len]
+        """This request's K and V as dense fp32 [seq_len, num_kv_heads, head_size(_v)],
+        gathered through the logical views (so any layout works)."""
+        ids = table_row[: cdiv(seq_len, self.spec.block_size)].long()
+        k = k_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
+        v = v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
         return dequantize_from_cache(k, self.spec.k_scale), dequantize_from_cache(
             v, self.spec.v_scale
         )
 
     def _attend(
-        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, out: torch.Tensor
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_len: int,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
+        """One request's rows; with ``lse`` [q_len, num_heads] the sinks are left out and
+        the log-sum-exp is written there."""
         s = self.spec
         q_len, hkv, group = query.shape[0], s.num_kv_heads, s.num_queries_per_kv
         device = query.device
@@ -85,7 +93,7 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
         slopes = sinks = None
         if s.alibi_slopes is not None:
             slopes = torch.tensor(s.alibi_slopes, device=device).view(hkv, group, 1, 1)
-        if self.sinks is not None:
+        if self.sinks is not None and lse is None:
             sinks = self.sinks.to(device).view(hkv, group, 1, 1)
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, s.num_heads * seq_len))
         for c0 in range(0, q_len, chunk):
@@ -118,3 +126,5 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
                 1e-30
             )
             out[c0:c1] = result.reshape(c1 - c0, s.num_heads, s.head_size_v).to(out.dtype)
+            if lse is not None:
+                lse[c0:c1] = (row_max + torch.log(denom)).reshape(s.num_heads, c1 - c0).t()

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from pagedkv.triton_kv_write import fix_interpreter_loop_bounds
-
-LOG2E = 1.4426950408889634
+from pagedkv.toolkit.triton_helpers import fix_interpreter_loop_bounds
 
 
 @triton.jit

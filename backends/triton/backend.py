@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
+from pagedkv.backends.triton.configs import SPLIT_POLICY
 from pagedkv.capabilities import Capabilities, MultipleOf
 from pagedkv.features import Feature
 from pagedkv.spec import AttentionSpec
@@ -60,6 +61,8 @@ class TritonBackend(AttentionBackend):
             default=None,
             help="KV splits per sequence (flash-decoding); unset or 0 chooses per batch, 1 never splits",
             kind=int,
+            minimum=0,
+            maximum=SPLIT_POLICY.max_splits,
         ),
     }
 

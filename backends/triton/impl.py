@@ -11,12 +11,13 @@ from typing import Any, NamedTuple
 
 import torch
 from pagedkv.backend import AttentionImpl
-from pagedkv.backends.triton.attention_kernel import LOG2E, unified_attention_kernel
+from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.builder import TritonMetadata
 from pagedkv.backends.triton.configs import head_pad
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.errors import UnsupportedError
-from pagedkv.kv_write import write_kv_by_slot
+from pagedkv.toolkit.kv_write import write_kv_by_slot
+from pagedkv.toolkit.triton_helpers import LOG2E
 
 
 class KernelLaunch(NamedTuple):

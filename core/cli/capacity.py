@@ -6,8 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from pagedkv.errors import KVCacheUsageError
+from pagedkv.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from pagedkv.errors import KVCacheUsageError, UsageError
 from pagedkv.kv.capacity import (
+    DTYPE_BYTES,
     GiB,
     KVShape,
     dtype_bytes,
@@ -22,60 +24,101 @@ from pagedkv.textutil import format_table
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "capacity",
-        help="KV-cache bytes per token/block, and the blocks, tokens and requests a budget holds.",
         description=(
-            "Memory figures are binary: --gpu-memory 80 means 80 GiB (80 x 1024^3 bytes). "
-            "Bytes are per tensor-parallel rank."
+            "KV-cache bytes per token/block, and the blocks, tokens and requests a budget "
+            "holds. Memory figures are binary: --gpu-memory 80 means 80 GiB (80 x 1024^3 "
+            "bytes). Bytes are per tensor-parallel rank."
         ),
     )
     model = parser.add_argument_group("model (a preset, or the shape by hand)")
     model.add_argument("--model", choices=sorted(PRESETS), help="A model preset.")
-    model.add_argument("--num-layers", type=int, help="Attention layers (overrides the preset).")
-    model.add_argument("--num-kv-heads", type=int, help="KV heads per layer.")
-    model.add_argument("--head-size", type=int, help="K head size (MLA: the latent row size).")
-    model.add_argument("--head-size-v", type=int, help="V head size (default: --head-size).")
+    model.add_argument(
+        "--num-layers", type=positive_int, help="Attention layers (overrides the preset)."
+    )
+    model.add_argument("--num-kv-heads", type=positive_int, help="KV heads per layer.")
+    model.add_argument(
+        "--head-size", type=positive_int, help="K head size (MLA: the latent row size)."
+    )
+    model.add_argument(
+        "--head-size-v", type=positive_int, help="V head size (default: --head-size)."
+    )
     model.add_argument("--mla", action="store_true", help="One latent row per token (MLA).")
     parser.add_argument(
-        "--kv-dtype", help="Cache dtype: float16, bfloat16, float32, fp8 (default: the model's)."
+        "--kv-dtype",
+        choices=list(DTYPE_BYTES),
+        help="Cache dtype (default: the model's, else float16).",
     )
-    parser.add_argument("--tp", type=int, default=1, help="Tensor-parallel degree (default 1).")
-    parser.add_argument("--block-size", type=int, default=16, help="Tokens per block (default 16).")
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="Tensor-parallel degree (default 1)."
+    )
+    parser.add_argument(
+        "--block-size", type=positive_int, default=16, help="Tokens per block (default 16)."
+    )
     budget = parser.add_argument_group("budget (GiB per GPU)")
-    budget.add_argument("--kv-budget", type=float, help="KV bytes available, in GiB.")
-    budget.add_argument("--gpu-memory", type=float, help="GPU memory in GiB.")
+    budget.add_argument("--kv-budget", type=positive_float, help="KV bytes available, in GiB.")
+    budget.add_argument("--gpu-memory", type=positive_float, help="GPU memory in GiB.")
     budget.add_argument(
         "--weights",
-        type=float,
-        help="Weights per GPU in GiB (default: preset parameters x weight dtype / tp).",
+        type=non_negative_float,
+        help="Weights per GPU in GiB, with --gpu-memory (default: preset parameters x weight "
+        "dtype / tp).",
     )
     budget.add_argument(
-        "--overhead", type=float, default=0.0, help="Activations, workspace, CUDA graphs (GiB)."
+        "--overhead",
+        type=non_negative_float,
+        help="Activations, workspace, CUDA graphs in GiB, with --gpu-memory (default 0).",
     )
     load = parser.add_argument_group("load")
-    load.add_argument("--prompt-len", type=int, help="Average prompt tokens per request.")
-    load.add_argument("--output-len", type=int, default=0, help="Average output tokens.")
-    load.add_argument("--concurrency", type=int, help="Target concurrent requests.")
+    load.add_argument("--prompt-len", type=positive_int, help="Average prompt tokens per request.")
+    load.add_argument(
+        "--output-len", type=non_negative_int, help="Average output tokens (with --prompt-len)."
+    )
+    load.add_argument(
+        "--concurrency", type=positive_int, help="Target concurrent requests (with --prompt-len)."
+    )
     parser.add_argument("--json", action="store_true", help="Print the figures as JSON.")
     return parser
 
 
+def check_combination(args: argparse.Namespace) -> None:
+    """Raise UsageError for options that make no sense together (each alone is checked
+    by its argparse type)."""
+    needs = [
+        ("--output-len", args.output_len, "--prompt-len", args.prompt_len),
+        ("--concurrency", args.concurrency, "--prompt-len", args.prompt_len),
+        ("--weights", args.weights, "--gpu-memory", args.gpu_memory),
+        ("--overhead", args.overhead, "--gpu-memory", args.gpu_memory),
+    ]
+    for option, value, needed, given in needs:
+        if value is not None and given is None:
+            raise UsageError(f"{option} needs {needed}")
+    if args.kv_budget is not None and args.gpu_memory is not None:
+        raise UsageError("give --kv-budget or --gpu-memory, not both")
+    if args.mla and args.model:
+        raise UsageError("--mla describes a model by hand: a --model preset says whether it is MLA")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_combination(args)
     preset = get_preset(args.model) if args.model else None
-    shape = _shape(args, preset)
-    kv_dtype = args.kv_dtype or (preset.dtype if preset else "float16")
-    budget, budget_note = _budget(args, preset)
-    request_len = None
-    if args.prompt_len is not None:
-        request_len = args.prompt_len + args.output_len
-    est = estimate_capacity(
-        shape,
-        dtype_bytes(kv_dtype),
-        tp=args.tp,
-        block_size=args.block_size,
-        kv_budget=budget,
-        request_len=request_len,
-        concurrency=args.concurrency,
-    )
+    try:  # every value was given on the command line: what the maths refuses is a usage error
+        shape = _shape(args, preset)
+        kv_dtype = args.kv_dtype or (preset.dtype if preset else "float16")
+        budget, budget_note = _budget(args, preset)
+        request_len = None
+        if args.prompt_len is not None:
+            request_len = args.prompt_len + (args.output_len or 0)
+        est = estimate_capacity(
+            shape,
+            dtype_bytes(kv_dtype),
+            tp=args.tp,
+            block_size=args.block_size,
+            kv_budget=budget,
+            request_len=request_len,
+            concurrency=args.concurrency,
+        )
+    except KVCacheUsageError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         record = {"model": args.model, "kv_dtype": kv_dtype, **est.as_dict()}
         print(json.dumps(record, indent=2))
@@ -127,12 +170,17 @@ def run(args: argparse.Namespace) -> int:
 def _shape(args: argparse.Namespace, preset: Any) -> KVShape:
     by_hand = args.num_layers and args.head_size and (args.num_kv_heads or args.mla)
     if preset is None and not by_hand:
-        raise KVCacheUsageError(
+        raise UsageError(
             "give --model, or --num-layers, --num-kv-heads and --head-size "
             "(--mla with --num-layers and --head-size)"
         )
     base = KVShape.from_preset(preset) if preset else None
     mla = args.mla or (base.is_mla if base else False)
+    if mla and (args.num_kv_heads is not None or args.head_size_v is not None):
+        raise UsageError(
+            "an MLA model caches one latent row per token: --num-kv-heads and --head-size-v "
+            "do not apply"
+        )
     return KVShape(
         num_layers=args.num_layers or (base.num_layers if base else 0),
         num_kv_heads=1 if mla else (args.num_kv_heads or (base.num_kv_heads if base else 0)),
@@ -154,13 +202,12 @@ def _budget(args: argparse.Namespace, preset: Any) -> tuple[int | None, str]:
         weights = weights_bytes_per_rank(preset, args.tp)
         how = f"{preset.num_params / 1e9:.1f}B params x {preset.weight_dtype} / tp"
     else:
-        raise KVCacheUsageError(
-            "--gpu-memory needs --weights (or a --model preset to estimate them)"
-        )
-    budget = kv_budget_bytes(int(args.gpu_memory * GiB), weights, int(args.overhead * GiB))
+        raise UsageError("--gpu-memory needs --weights (or a --model preset to estimate them)")
+    overhead = args.overhead or 0.0
+    budget = kv_budget_bytes(int(args.gpu_memory * GiB), weights, int(overhead * GiB))
     note = (
         f"{args.gpu_memory:g} GiB - {weights / GiB:.2f} GiB weights ({how}) - "
-        f"{args.overhead:g} GiB overhead"
+        f"{overhead:g} GiB overhead"
     )
     return budget, note
 

@@ -31,14 +31,41 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--report", metavar="PATH", help="Write PATH.json and PATH.md.")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present).")
+    parser.add_argument(
+        "--allow-unavailable",
+        action="store_true",
+        help="Skip a requested backend that is unavailable here instead of failing (for "
+        "matrix jobs).",
+    )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="Only tests matching EXPR.")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="Stop at the first failure.")
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    import pytest
+# exit status when the suite cannot start: pytest missing, an unknown backend, a
+# device this host lacks (argparse's status for usage errors)
+CANNOT_START = 2
+INSTALL_HINT = 'pip install "pagedkv[conformance]"'
 
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import pytest
+    except ImportError as exc:
+        print(
+            f"pagedkv conform: error: the conformance suite runs under pytest, which cannot be "
+            f"imported here ({exc}); install it with: {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return CANNOT_START
+    from pagedkv.conformance.run import ConformanceRun, ConformanceUsageError
+
+    try:  # what pytest would reject later, rejected here with our exit status
+        checked = ConformanceRun(list(args.backend), args.level, device_option=args.device)
+        _ = checked.device, checked.targets
+    except ConformanceUsageError as exc:
+        print(f"pagedkv conform: error: {exc}", file=sys.stderr)
+        return CANNOT_START
     argv = [
         "--pyargs",
         "pagedkv.conformance",
@@ -46,15 +73,22 @@ def run(args: argparse.Namespace) -> int:
         "no:cacheprovider",
         "-p",
         "no:terminal",  # the progress bar and the matrix below replace pytest's output
-        "--conformance-level",
+        # the suite is pagedkv's: the pytest settings and conftests of the directory it
+        # is started from are not its own (their addopts may need the terminal plugin)
+        "--noconftest",
+        "-o",
+        "addopts=",
+        "--pagedkv-level",
         args.level,
     ]
     for name in args.backend:
-        argv += ["--backend", name]
+        argv += ["--pagedkv-backend", name]
     if args.report:
-        argv += ["--conformance-report", args.report]
+        argv += ["--pagedkv-report", args.report]
     if args.device:
-        argv += ["--device", args.device]
+        argv += ["--pagedkv-device", args.device]
+    if args.allow_unavailable:
+        argv.append("--pagedkv-allow-unavailable")
     if args.keyword:
         argv += ["-k", args.keyword]
     if args.exitfirst:
@@ -75,6 +109,7 @@ class Progress:
         self.total = 0
         self.done = 0
         self.failed = 0
+        self.deselected = 0
         self.start = time.monotonic()
         self.config: Any = None
 
@@ -85,8 +120,14 @@ class Progress:
         if report.failed:
             self._line(f"collection error in {report.nodeid or 'session'}:\n{report.longreprtext}")
 
+    def pytest_deselected(self, items: Any) -> None:
+        self.deselected += len(items)
+
     def pytest_collection_finish(self, session: Any) -> None:
         self.total = len(session.items)
+        if self.deselected:
+            self._line(f"{self.total} tests selected, {self.deselected} deselected by -k")
+        self.start = time.monotonic()  # the ETA counts the tests, not the collection
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         # one count per test: its call, or its setup when that skipped or failed
@@ -96,25 +137,39 @@ class Progress:
         self.failed += report.failed
         status = "FAIL" if report.failed else "skip" if report.skipped else "pass"
         name = _short_name(report.nodeid)
+        elapsed = time.monotonic() - self.start
+        eta = f"ETA {_duration(elapsed / self.done * (self.total - self.done))}"
         if self.tty:
             width = 30
             filled = width * self.done // max(self.total, 1)
             bar = "#" * filled + "." * (width - filled)
             self.stream.write(
                 f"\r[{bar}] {self.done}/{self.total} {self.failed} failed "
-                f"{time.monotonic() - self.start:5.0f}s  {name[:40]:<40}"
+                f"{_duration(elapsed)} {eta}  {name[:40]:<40}"
             )
             if self.done == self.total:
                 self.stream.write("\n")
             self.stream.flush()
         else:
-            self._line(f"[{self.done:>4}/{self.total}] {status} {name} ({report.duration:.2f}s)")
+            self._line(
+                f"[{self.done:>4}/{self.total}] {status} {name} ({report.duration:.2f}s, {eta})"
+            )
 
     def _line(self, text: str) -> None:
         if self.tty:
             self.stream.write("\r")
         self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _short_name(nodeid: str) -> str:
@@ -135,6 +190,9 @@ def print_results(config: Any, out: TextIO) -> None:
     run = config.stash.get(RUN_KEY, None)
     if run is None or not run.collected:
         return
+    for target in run.targets:
+        if run.fails_run(target):
+            print(f"[{target.label}] cannot be tested: {target.reason}", file=out)
     for result in run.results.values():
         if not result.passed:
             print(result.report(), file=out)
@@ -150,5 +208,6 @@ def print_results(config: Any, out: TextIO) -> None:
     print(f"pagedkv conformance, {run.level} level on {run.device}:", file=out)
     for line in summary_lines(data):
         print(f"  {line}", file=out)
+
     for path in run.report_files:
         print(f"report: {path}", file=out)

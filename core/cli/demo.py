@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import torch
+from pagedkv.cli.args import backend_config, device
 from pagedkv.selection import default_config, select_backend
 from pagedkv.textutil import format_table
 
@@ -13,12 +14,18 @@ from pagedkv.textutil import format_table
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "demo",
-        help="Run attention on a sample mixed batch and print the error vs the float64 reference.",
+        description="Run attention on a sample mixed batch and print the error vs the float64 "
+        "reference.",
     )
     parser.add_argument(
-        "--backend", default=None, help="Config string (default: $PAGEDKV_BACKEND or auto)."
+        "--backend",
+        type=backend_config,
+        default=None,
+        help="Config string (default: $PAGEDKV_BACKEND or auto).",
     )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present).")
+    parser.add_argument(
+        "--device", type=device, default=None, help="cpu or cuda (default: cuda when present)."
+    )
     parser.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     return parser
 

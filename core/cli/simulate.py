@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pagedkv.errors import KVCacheUsageError
+from pagedkv.cli.args import (
+    check_writable,
+    existing_file,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+)
+from pagedkv.errors import KVCacheUsageError, TraceFormatError, UsageError
 from pagedkv.kv.capacity import GiB, KVShape, estimate_capacity
 from pagedkv.kv.presets import get_preset
 from pagedkv.kv.simulate import TABLE_HEADERS, markdown_table, plot, simulate, table_rows
@@ -25,28 +32,37 @@ def default_pool_tokens() -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "simulate",
-        help="Replay a request trace through contiguous and paged KV allocators; "
+        description="Replay a request trace through contiguous and paged KV allocators; "
         "print utilisation, write a table and a PNG.",
     )
     parser.add_argument(
-        "--trace", help="CSV (header) or JSONL of prompt_len/output_len (default: synthetic)."
+        "--trace",
+        type=existing_file,
+        help="CSV (header) or JSONL of prompt_len/output_len (default: synthetic).",
     )
     parser.add_argument(
-        "--num-requests", type=int, default=1000, help="Synthetic ShareGPT-like requests."
+        "--num-requests", type=positive_int, default=1000, help="Synthetic ShareGPT-like requests."
     )
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the synthetic trace.")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="Longest request.")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="Seed of the synthetic trace."
+    )
+    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="Longest request.")
     parser.add_argument(
         "--pool-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="Token slots in the KV pool (default: the chapter's Llama-3-70B TP=2 6 GiB pool).",
     )
-    parser.add_argument("--granule", type=int, default=64, help="Rounding of the grow allocator.")
     parser.add_argument(
-        "--block-sizes", default="8,16,32,128", help="Paged block sizes, comma-separated."
+        "--granule", type=positive_int, default=64, help="Rounding of the grow allocator."
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="Batch size limit.")
+    parser.add_argument(
+        "--block-sizes",
+        type=positive_int_list,
+        default=[8, 16, 32, 128],
+        help="Paged block sizes, comma-separated (default 8,16,32,128).",
+    )
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="Batch size limit.")
     parser.add_argument(
         "--output",
         default="kv-simulation",
@@ -57,44 +73,43 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        block_sizes = [int(b) for b in args.block_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise KVCacheUsageError(
-            f"--block-sizes: expected comma-separated ints, got {args.block_sizes!r}"
-        ) from None
-    if not block_sizes or min(block_sizes) <= 0:
-        raise KVCacheUsageError(f"--block-sizes: expected positive ints, got {args.block_sizes!r}")
-    if args.trace:
-        trace = load_trace(args.trace, max_model_len=args.max_model_len)
-        source = f"trace {args.trace}"
-    else:
-        trace = sharegpt_like(args.num_requests, max_model_len=args.max_model_len, seed=args.seed)
-        source = f"synthetic ShareGPT-like trace, seed {args.seed}"
-    pool = args.pool_tokens or default_pool_tokens()
-    mean_prompt = sum(r.prompt_len for r in trace) / len(trace)
-    mean_output = sum(r.output_len for r in trace) / len(trace)
-    header = (
-        f"{len(trace)} requests ({source}; mean prompt {mean_prompt:.1f}, mean output "
-        f"{mean_output:.1f} tokens), pool {pool:,} token slots, max_model_len {args.max_model_len}"
-    )
-    print(header)
-    results = simulate(
-        trace,
-        pool,
-        args.max_model_len,
-        granule=args.granule,
-        block_sizes=block_sizes,
-        max_num_seqs=args.max_num_seqs,
-    )
-    print(format_table(TABLE_HEADERS, table_rows(results)))
     prefix = Path(args.output)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     table_path = prefix.with_name(prefix.name + ".md")
+    png_path = prefix.with_name(prefix.name + ".png")
+    check_writable("--output", [table_path] + ([] if args.no_plot else [png_path]))
+    try:  # every input came from the command line: what the simulation refuses is a usage error
+        if args.trace:
+            trace = load_trace(args.trace, max_model_len=args.max_model_len)
+            source = f"trace {args.trace}"
+        else:
+            trace = sharegpt_like(
+                args.num_requests, max_model_len=args.max_model_len, seed=args.seed
+            )
+            source = f"synthetic ShareGPT-like trace, seed {args.seed}"
+        pool = args.pool_tokens if args.pool_tokens is not None else default_pool_tokens()
+        mean_prompt = sum(r.prompt_len for r in trace) / len(trace)
+        mean_output = sum(r.output_len for r in trace) / len(trace)
+        header = (
+            f"{len(trace)} requests ({source}; mean prompt {mean_prompt:.1f}, mean output "
+            f"{mean_output:.1f} tokens), pool {pool:,} token slots, max_model_len "
+            f"{args.max_model_len}"
+        )
+        print(header)
+        results = simulate(
+            trace,
+            pool,
+            args.max_model_len,
+            granule=args.granule,
+            block_sizes=args.block_sizes,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except (KVCacheUsageError, TraceFormatError) as exc:
+        raise UsageError(str(exc)) from None
+    print(format_table(TABLE_HEADERS, table_rows(results)))
     table_path.write_text(header + "\n\n" + markdown_table(results))
     print(f"table: {table_path}")
     if not args.no_plot:
         title = f"KV pool use: {len(trace)} requests, {pool:,} token slots"
-        png = plot(results, prefix.with_name(prefix.name + ".png"), title=title)
+        png = plot(results, png_path, title=title)
         print(f"plot: {png}")
     return 0

@@ -18,7 +18,7 @@ from pagedkv.kv.block_table import BlockTable
 from pagedkv.kv.capacity import CapacityEstimate, KVShape, estimate_capacity, kv_budget_bytes
 from pagedkv.kv.free_queue import FreeKVCacheBlockQueue
 from pagedkv.kv.hashing import BlockHasher, get_hash_fn
-from pagedkv.kv.manager import BlockCopy, KVCacheManager, PrefixCacheStats
+from pagedkv.kv.manager import BlockCopy, ForkResult, KVCacheManager, PrefixCacheStats
 from pagedkv.kv.presets import PRESETS, ModelPreset
 from pagedkv.kv.request import MultiModalSpan, Request
 from pagedkv.kv.step import ScheduledRequest, StepAssembler, copies_to_tensors
@@ -33,6 +33,7 @@ __all__ = [
     "BlockTable",
     "CapacityEstimate",
     "DoubleFreeError",
+    "ForkResult",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -148,7 +149,7 @@ class BlockPool:
             block = blocks[i]
             assert not block.is_null, "the null block is never cached"
             if block.block_hash is not None:
-                # registered before a copy-on-write lowered the request's cached count
+                # shared with a request that registered it first (a fork's parent)
                 assert block.block_hash == block_hashes[i], f"{block} cached under another hash"
                 continue
             block.block_hash = block_hashes[i]
@@ -191,20 +192,35 @@ class BlockPool:
         """Drop one reference from each block; a block reaching 0 becomes free.
 
         Order is eviction priority among cached blocks: the first freed is evicted
-        first. Uncached blocks go to the front of the queue instead.
+        first. Uncached blocks go to the front of the queue instead. All or nothing:
+        if any block would drop below 0 references (freed twice, or listed more often
+        than it is held), DoubleFreeError names it and no reference is dropped.
         """
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         queue = self.free_block_queue
-        for block in ordered_blocks:
+        for i, block in enumerate(blocks):
+            if block.ref_cnt > 0:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        queue.appendleft(block)
+                    else:
+                        queue.append(block)
+            elif not block.is_null:  # the null block's count is not kept: skipped
+                self._undo_free(blocks[:i])
+                raise DoubleFreeError(
+                    f"free_blocks: block {block.block_id} is already free (listed at "
+                    f"position {i} of {len(blocks)}); no block was freed"
+                )
+
+    def _undo_free(self, freed: list[KVCacheBlock]) -> None:
+        """Take back the references free_blocks dropped from ``freed``, last first."""
+        for block in reversed(freed):
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0:
-                raise DoubleFreeError(f"free_blocks: block {block.block_id} is already free")
-            block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
@@ -221,6 +237,21 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True
+
+    def shuffle_free_blocks(self, rng: random.Random | int) -> None:
+        """Hand out the free, uncached blocks in a random order from now on.
+
+        For tests: a long-running server hands out scattered block ids, a fresh pool
+        1, 2, 3, ...; shuffled ids catch a backend or table that assumes neighbours.
+        ``rng`` is a ``random.Random`` or a seed. Cached free blocks keep their
+        eviction order behind the uncached ones (the queue keeps that split).
+        """
+        rng = random.Random(rng) if isinstance(rng, int) else rng
+        queue = self.free_block_queue
+        free = queue.popleft_n(queue.num_free_blocks)
+        uncached = [b for b in free if b.block_hash is None]
+        rng.shuffle(uncached)
+        queue.append_n(uncached + [b for b in free if b.block_hash is not None])
 
     # -- state ------------------------------------------------------------------------------
 

@@ -10,6 +10,18 @@ from pagedkv.errors import KVCacheUsageError
 from pagedkv.slots import compute_slot_mapping
 
 
+def check_block_ids(block_ids: Sequence[int], what: str) -> None:
+    """Refuse ids < 1: block 0 is the null block, padding that every table shares, and
+    a real token's K/V written there would land in every request's padding."""
+    if len(block_ids) and min(block_ids) < 1:
+        i, bad = next((i, b) for i, b in enumerate(block_ids) if b < 1)
+        what_is = "block 0 is the null block (padding)" if bad == 0 else "block ids are >= 0"
+        raise KVCacheUsageError(
+            f"{what}: block id {bad} at position {i}: expected a block the KV manager "
+            f"handed out (>= 1); {what_is}"
+        )
+
+
 class BlockTable:
     """Row ``r`` holds the physical block ids of the request in batch slot ``r``.
 
@@ -50,11 +62,12 @@ class BlockTable:
     # -- row edits (host only) ---------------------------------------------------------------
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
-        """Add ``block_ids`` after the row's current entries."""
+        """Add ``block_ids`` (each >= 1) after the row's current entries."""
         self._check_row(row)
         n = len(block_ids)
         if n == 0:
             return
+        check_block_ids(block_ids, f"block table row {row}")
         start = int(self.num_blocks_per_row[row])
         end = start + n
         if end > self.max_num_blocks_per_req:
@@ -69,15 +82,6 @@ class BlockTable:
         """Replace the row with ``block_ids``."""
         self.clear_row(row)
         self.append_row(block_ids, row)
-
-    def set_entry(self, row: int, index: int, block_id: int) -> None:
-        """Point entry ``index`` of ``row`` at ``block_id`` (copy-on-write replaced it)."""
-        self._check_row(row)
-        if not 0 <= index < self.num_blocks_per_row[row]:
-            raise KVCacheUsageError(
-                f"block table row {row} has {self.num_blocks_per_row[row]} entries, no index {index}"
-            )
-        self.block_table_np[row, index] = block_id
 
     def move_row(self, src: int, tgt: int) -> None:
         """Copy row ``src`` over row ``tgt`` (``src`` is left as it was)."""

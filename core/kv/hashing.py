@@ -140,17 +140,6 @@ class BlockHasher:
         self.none_hash: BlockHash = self.hash_fn(encode(("pagedkv-none-hash", self.seed)))
         self._num_tokens_prefix = struct.pack("<I", block_size)
 
-    def hash_block(
-        self, parent: BlockHash | None, token_bytes: bytes, extra_keys: tuple = ()
-    ) -> BlockHash:
-        """Hash of one full block: ``token_bytes`` from encode_token_ids (block_size ids)."""
-        if len(token_bytes) != 8 * self.block_size:
-            raise KVCacheUsageError(
-                f"a block hash covers exactly {self.block_size} tokens, got {len(token_bytes) // 8}"
-            )
-        parent = self.none_hash if parent is None else parent
-        return self.hash_fn(parent + self._num_tokens_prefix + token_bytes + encode(extra_keys))
-
     def update(self, request: Request) -> list[BlockHash]:
         """Extend ``request.block_hashes`` to cover all its full blocks; return it."""
         hashes = request.block_hashes

@@ -4,9 +4,11 @@ and debugging, never the hot path. Each failure is an AssertionError saying what
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.request import Request
 
 
 def check_pool(pool: BlockPool) -> None:
@@ -20,6 +22,10 @@ def check_pool(pool: BlockPool) -> None:
     )
     free_ids = {b.block_id for b in free}
     assert len(free_ids) == len(free), "a block appears twice in the free queue"
+    # eviction order: uncached blocks (nothing to lose) before cached ones
+    first_cached = next((i for i, b in enumerate(free) if b.block_hash is not None), len(free))
+    late = [b for b in free[first_cached:] if b.block_hash is None]
+    assert not late, f"uncached free {late[0]} is queued behind a cached block"
     assert 0 not in free_ids, "the null block is in the free queue"
     for block in pool.blocks[1:]:
         assert block.ref_cnt >= 0, f"{block}: negative ref_cnt"
@@ -47,17 +53,33 @@ def check_pool(pool: BlockPool) -> None:
         assert not mapped_ids, "caching is off but blocks are cached"
 
 
-def check_manager(manager: KVCacheManager) -> None:
-    """check_pool, plus: every reference is held by exactly one request's list entry."""
+def check_manager(manager: KVCacheManager, requests: Mapping[str, Request] | None = None) -> None:
+    """check_pool, plus: every reference is held by exactly one request's list entry.
+
+    With ``requests`` (id -> Request), also: each of those requests has the computed
+    count the manager gave it, and registered no block past it in the prefix cache.
+    """
     pool = manager.block_pool
     check_pool(pool)
     held: Counter[int] = Counter()
     for rid, blocks in manager.req_to_blocks.items():
+        request = requests.get(rid) if requests is not None else None
+        if request is not None:
+            assert request.num_computed_tokens == manager.num_computed_tokens[rid], (
+                f"request {rid!r}: num_computed_tokens {request.num_computed_tokens}, the "
+                f"manager counted {manager.num_computed_tokens[rid]}"
+            )
+            num_cached_tokens = manager.num_cached_block[rid] * manager.block_size
+            assert num_cached_tokens <= request.num_computed_tokens, (
+                f"request {rid!r}: {manager.num_cached_block[rid]} blocks registered in the "
+                f"prefix cache, but only {request.num_computed_tokens} tokens computed"
+            )
         assert len(blocks) <= manager.max_num_blocks_per_req, (
             f"request {rid!r} holds {len(blocks)} blocks > {manager.max_num_blocks_per_req}"
         )
         assert all(not b.is_null for b in blocks), f"request {rid!r} holds the null block"
         assert 0 <= manager.num_cached_block[rid] <= len(blocks), f"request {rid!r}: cached count"
+        assert 0 <= manager.num_reported_block[rid] <= len(blocks), f"request {rid!r}: reported"
         for b in blocks[: manager.num_cached_block[rid]]:
             assert b.block_hash is not None or not manager.enable_caching, (
                 f"request {rid!r}: {b} counted as cached but has no hash"
@@ -68,3 +90,5 @@ def check_manager(manager: KVCacheManager) -> None:
             f"{block}: ref_cnt {block.ref_cnt} but held {held[block.block_id]} times"
         )
     assert set(manager.num_cached_block) == set(manager.req_to_blocks)
+    assert set(manager.num_reported_block) == set(manager.req_to_blocks)
+    assert set(manager.num_computed_tokens) == set(manager.req_to_blocks)

@@ -32,8 +32,9 @@ class MultiModalSpan:
 class Request:
     """One sequence: its token ids (prompt, then generated) and prefix-cache keys.
 
-    ``num_computed_tokens`` (tokens whose K/V are in the cache) belongs to the
-    scheduler, which advances it after each step; the manager only reads it.
+    ``num_computed_tokens``: tokens whose K/V are in the cache. The KV manager
+    advances it (prefix hits in ``allocate_slots``, a finished step in
+    ``mark_computed``); a scheduler that preempts by recompute sets it back to 0.
     ``block_hashes`` belongs to the BlockHasher of the manager serving this request.
     """
 
@@ -67,10 +68,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
-
-    @property
-    def output_token_ids(self) -> Sequence[int]:
-        return self._all_token_ids[self.num_prompt_tokens :]
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):

@@ -160,7 +160,7 @@ class PagedAllocator:
         request = Request(str(rid), [0] * length)
         if self.manager.allocate_slots(request, length) is None:
             return False
-        request.num_computed_tokens = length
+        self.manager.mark_computed(request, length)
         self._requests[rid] = request
         return True
 
@@ -171,7 +171,7 @@ class PagedAllocator:
         new = length - request.num_computed_tokens
         if self.manager.allocate_slots(request, new) is None:
             return False
-        request.num_computed_tokens = length
+        self.manager.mark_computed(request, new)
         return True
 
     def release(self, rid: int) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from pagedkv.errors import KVCacheUsageError, MetadataError
 from pagedkv.intmath import cdiv
-from pagedkv.kv.block_table import BlockTable
+from pagedkv.kv.block_table import BlockTable, check_block_ids
 from pagedkv.kv.manager import BlockCopy
 from pagedkv.metadata import CommonAttentionMetadata
 
@@ -18,8 +18,9 @@ from pagedkv.metadata import CommonAttentionMetadata
 class ScheduledRequest:
     """One request's share of a step.
 
-    ``new_block_ids``: blocks appended since the request was last scheduled (all of
-    its blocks the first time), i.e. what allocate_slots returned.
+    ``new_block_ids``: the block ids added to the request's list since the assembler
+    last saw it (all of them the first time), i.e. ``KVCacheManager.take_new_block_ids``
+    called after this step's ``allocate_slots``.
     """
 
     request_id: str
@@ -75,15 +76,6 @@ class StepAssembler:
         self._req_at.append(request_id)
         self.block_table.add_row(block_ids, row)
 
-    def append_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
-        self.block_table.append_row(block_ids, self._row(request_id))
-
-    def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
-        """Point each copied entry at its new block (the data copy is the worker's)."""
-        for c in copies:
-            if c.request_id in self._row_of:
-                self.block_table.set_entry(self._row_of[c.request_id], c.block_index, c.dst)
-
     def remove_request(self, request_id: str) -> None:
         """Drop the request's row; the last row moves into the hole to keep rows dense."""
         row = self._row(request_id)
@@ -125,6 +117,8 @@ class StepAssembler:
                 f"num_computed_tokens={computed[i]}, num_new_tokens={query_lens[i]}"
             )
         row_of = self._row_of
+        for s in scheduled:
+            check_block_ids(s.new_block_ids, f"request {s.request_id!r}: new_block_ids")
         seq_lens = computed + query_lens
         per_row = self.block_table.num_blocks_per_row
         have = np.array(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pagedkv
 import torch
+from pagedkv import Capabilities
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.impl import TorchAttentionImpl
 from pagedkv.conformance import Scenario
-from pagedkv.kv_write import write_rows_by_slot
+from pagedkv.toolkit.kv_write import write_rows_by_slot
 
 
 class _BrokenBackend(TorchBackend):
@@ -31,19 +32,19 @@ class _ContiguousBlocksImpl(TorchAttentionImpl):
     """Ignores the block table past its first entry: assumes a request's blocks are
     contiguous in the pool (reads first, first + 1, ...)."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
-        num_blocks = -(-seq_len // kv_cache.shape[2])
-        pool = kv_cache.shape[1]
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        num_blocks = -(-seq_len // k_cache.shape[1])
+        pool = k_cache.shape[0]
         row = (table_row[0].long() + torch.arange(num_blocks, device=table_row.device)) % pool
-        return super()._gather(kv_cache, row, seq_len)
+        return super()._gather(k_cache, v_cache, row, seq_len)
 
 
 class _LastTokenDroppedImpl(TorchAttentionImpl):
     """Takes the context length for the sequence length: attends to one key too few."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
         self._short = max(seq_len - 1, 1)
-        return super()._gather(kv_cache, table_row, self._short)
+        return super()._gather(k_cache, v_cache, table_row, self._short)
 
     def _attend(self, query, k, v, seq_len, out):
         super()._attend(query, k, v, self._short, out)
@@ -53,11 +54,26 @@ class _NeighbourBlockImpl(TorchAttentionImpl):
     """Reads a request's last block from the physically next block (pointer
     arithmetic off by one block): a block the table does not name."""
 
-    def _gather(self, kv_cache, table_row, seq_len):
-        num_blocks = -(-seq_len // kv_cache.shape[2])
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        num_blocks = -(-seq_len // k_cache.shape[1])
         row = table_row[:num_blocks].clone()
-        row[num_blocks - 1] = (row[num_blocks - 1] + 1) % kv_cache.shape[1]
-        return super()._gather(kv_cache, row, seq_len)
+        row[num_blocks - 1] = (row[num_blocks - 1] + 1) % k_cache.shape[0]
+        return super()._gather(k_cache, v_cache, row, seq_len)
+
+
+class _FullLastBlockImpl(TorchAttentionImpl):
+    """Takes the last block to be table entry seq_len // block_size: right for a partly
+    filled last block, one entry too far for a full one (the table's padding there
+    names the null block)."""
+
+    def _gather(self, k_cache, v_cache, table_row, seq_len):
+        bs = k_cache.shape[1]
+        if seq_len and seq_len % bs == 0:
+            row = table_row.clone()
+            too_far = seq_len // bs
+            row[too_far - 1] = table_row[too_far] if too_far < len(table_row) else 0
+            table_row = row
+        return super()._gather(k_cache, v_cache, table_row, seq_len)
 
 
 class _HeadModuloImpl(TorchAttentionImpl):
@@ -78,6 +94,19 @@ class _WindowIgnoredImpl(TorchAttentionImpl):
     def __init__(self, spec, **kwargs):
         super().__init__(spec, **kwargs)
         self.spec = spec.replace(sliding_window=None)
+
+
+class _DecodeWindowIgnoredImpl(TorchAttentionImpl):
+    """A separate decode path (one query row) that forgets the sliding window."""
+
+    def _attend(self, query, k, v, seq_len, out):
+        if query.shape[0] != 1 or self.spec.sliding_window is None:
+            return super()._attend(query, k, v, seq_len, out)
+        windowed, self.spec = self.spec, self.spec.replace(sliding_window=None)
+        try:
+            super()._attend(query, k, v, seq_len, out)
+        finally:
+            self.spec = windowed
 
 
 class _OwnScaleImpl(TorchAttentionImpl):
@@ -102,14 +131,15 @@ class _SlotPlusOneImpl(TorchAttentionImpl):
         write_rows_by_slot(value, kv_cache[1], shifted, self.spec.v_scale)
 
 
-def _broken(name: str, impl: type[TorchAttentionImpl]) -> type[TorchBackend]:
-    return type(
-        f"Broken_{name}", (_BrokenBackend,), {"name": name, "priority": -100, "impl_cls": impl}
-    )
+def _broken(
+    name: str, impl: type[TorchAttentionImpl], base: type[_BrokenBackend] = _BrokenBackend
+) -> type[TorchBackend]:
+    return type(f"Broken_{name}", (base,), {"name": name, "priority": -100, "impl_cls": impl})
 
 
 BROKEN = {
     "broken_block_table": _ContiguousBlocksImpl,
+    "broken_full_block": _FullLastBlockImpl,
     "broken_last_token": _LastTokenDroppedImpl,
     "broken_gqa": _HeadModuloImpl,
     "broken_window": _WindowIgnoredImpl,
@@ -117,6 +147,32 @@ BROKEN = {
     "broken_unreferenced_read": _NeighbourBlockImpl,
     "broken_scale": _OwnScaleImpl,
 }
+
+
+class _SmallWindowsRefused(_BrokenBackend):
+    """Refuses windows smaller than its block size (a legitimate limit, declared
+    through validate_extra): the window scenario with decodes inside a block is then
+    not applicable, and only decodes far past a larger window can show the bug."""
+
+    def validate_extra(self, spec):
+        if spec.sliding_window is not None and spec.sliding_window < spec.block_size:
+            return [f"sliding_window {spec.sliding_window} < block_size {spec.block_size}"]
+        return []
+
+
+class BrokenCopyAxisBackend(TorchBackend):
+    """copy_blocks indexes axis 2 of the (2, num_blocks, block_size, H, D) cache (the
+    slots) instead of the block axis 1. Its attention is right; it declares little,
+    so that the suite spends few scenarios on it."""
+
+    name = "broken_copy_axis"
+    priority = -100
+    capabilities = Capabilities(
+        dtypes=frozenset({torch.float16}), head_sizes=(64,), block_sizes=(16,)
+    )
+
+    def copy_blocks(self, kv_cache, src, dst):
+        kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
 
 
 class VendorMissingBackend(TorchBackend):
@@ -130,7 +186,12 @@ class VendorMissingBackend(TorchBackend):
         return "vendor runtime libpagedkv_vendor.so not found"
 
 
-BACKENDS = [*(_broken(name, impl) for name, impl in BROKEN.items()), VendorMissingBackend]
+BACKENDS = [
+    *(_broken(name, impl) for name, impl in BROKEN.items()),
+    _broken("broken_decode_window", _DecodeWindowIgnoredImpl, _SmallWindowsRefused),
+    BrokenCopyAxisBackend,
+    VendorMissingBackend,
+]
 
 
 @pagedkv.hookimpl

@@ -6,19 +6,19 @@ slots (padding) and slots past the pool are skipped, so the kernel never writes
 out of bounds and never syncs the host (``CommonAttentionMetadata.validate`` is
 where bad slots are reported). fp8 caches store ``x / scale`` saturated to the
 format's finite range and rounded to nearest-even, bit for bit what
-``pagedkv.kv_write.quantize_for_cache`` stores. Offsets are 64-bit.
+``pagedkv.toolkit.kv_write.quantize_for_cache`` stores. Offsets are 64-bit.
 
 Importing this module imports triton; ``pagedkv`` itself never does.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 from pagedkv.intmath import cdiv, next_power_of_2
+from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.triton_helpers import fp32_to_fp8_bits
 
 # fp8 cache formats and their mantissa bits (exponent bits: 7 - mantissa bits)
 _FP8_MANTISSA_BITS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -27,43 +27,9 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
-def _rtne_shift_right(v, r):
-    """v / 2**r rounded to nearest, ties to even, for v >= 0 and 1 <= r <= 31."""
-    q = v >> r
-    rem = v - (q << r)
-    half = 1 << (r - 1)
-    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    return q + round_up.to(tl.int32)
-
-
-@triton.jit
-def fp32_to_fp8_bits(x, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
-    """The fp8 bit pattern (int32 in [0, 255]) of finite fp32 ``x`` inside the format's range.
-
-    Integer rounding instead of a float conversion: Triton's interpreter converts
-    fp32 -> fp8 without ties-to-even and without subnormals, and the cache must be
-    bit-identical on the CPU and the GPU.
-    """
-    BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag = bits & 0x7FFFFFFF
-    exponent = mag >> 23  # biased fp32 exponent
-    # normal result: drop the low mantissa bits (a carry may bump the exponent), re-bias
-    normal = _rtne_shift_right(mag, 23 - MAN_BITS) - ((127 - BIAS) << MAN_BITS)
-    # subnormal result: the significand in units of the smallest subnormal
-    significand = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum((151 - BIAS - MAN_BITS) - exponent, 1), 31)
-    subnormal = _rtne_shift_right(significand, shift)
-    code = tl.where(exponent < 128 - BIAS, subnormal, normal)
-    code = tl.where(exponent == 0, 0, code)  # fp32 zeros and subnormals
-    return (sign << 7) | code
-
-
-@triton.jit
 def _cache_values(x, inv_scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MAN_BITS: tl.constexpr):
     """What the cache stores for ``x``: itself, or the fp8 bits of x * (1 / scale) saturated
-    (the product, not a division: see pagedkv.kv_write.quantize_for_cache)."""
+    (the product, not a division: see pagedkv.toolkit.kv_write.quantize_for_cache)."""
     if FP8:
         y = x.to(tl.float32) * inv_scale
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
@@ -75,7 +41,7 @@ def _cache_values(x, inv_scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MAN_BI
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_slots"])
-def _write_kv_kernel(
+def write_kv_kernel(
     Key,  # [T, H, D]
     Value,  # [T, H, Dv] (unused unless HAS_VALUE)
     KCache,  # [num_blocks, BLOCK_SIZE, H, D] view (uint8 when fp8)
@@ -154,8 +120,8 @@ def plan_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> tuple[Any, tuple[int], tuple[Any, ...], dict[str, Any]]:
-    """Check the arguments and return the launch ``(kernel, grid, args, kwargs)``.
+) -> KernelLaunch:
+    """Check the arguments and return the planned launch.
 
     key: [T, H, D]; value: [T, H, Dv] or None (MLA: K only);
     k_view / v_view: [num_blocks, block_size, H, D(v)], any strides;
@@ -180,6 +146,8 @@ def plan_write_kv(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} rows"
         )
+    # the kernel reads slots with unit stride: a strided view would write wrong slots
+    slot_mapping = slot_mapping.contiguous()
     for name, t in (("k_view", k_view), ("v_view", v_view), ("slot_mapping", slot_mapping)):
         if t is not None and t.device != key.device:
             raise ValueError(f"{name}: expected on {key.device} like key, got {t.device}")
@@ -202,37 +170,49 @@ def plan_write_kv(
     block_r = max(1, _TILE_ELEMENTS // max(head_pad, head_pad_v))
     has_value = value is not None
     val, vcache = (value, v_store) if has_value else (key, k_store)
-    grid = (cdiv(num_rows, block_r),)
-    args = (
-        key,
-        val,
-        k_store,
-        vcache,
-        slot_mapping,
-        1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
-        1.0 / float(v_scale),
-        num_rows,
-        k_view.shape[0] * k_view.shape[1],
-        *key.stride(),
-        *val.stride(),
-        *k_store.stride(),
-        *vcache.stride(),
+    kst, vst = key.stride(), val.stride()
+    kcs, vcs = k_store.stride(), vcache.stride()
+    return KernelLaunch(
+        write_kv_kernel,
+        (cdiv(num_rows, block_r),),
+        dict(
+            Key=key,
+            Value=val,
+            KCache=k_store,
+            VCache=vcache,
+            SlotMapping=slot_mapping,
+            k_scale=1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
+            v_scale=1.0 / float(v_scale),
+            num_rows=num_rows,
+            num_slots=k_view.shape[0] * k_view.shape[1],
+            stride_kt=kst[0],
+            stride_kh=kst[1],
+            stride_kd=kst[2],
+            stride_vt=vst[0],
+            stride_vh=vst[1],
+            stride_vd=vst[2],
+            stride_kcb=kcs[0],
+            stride_kcs=kcs[1],
+            stride_kch=kcs[2],
+            stride_kcd=kcs[3],
+            stride_vcb=vcs[0],
+            stride_vcs=vcs[1],
+            stride_vch=vcs[2],
+            stride_vcd=vcs[3],
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_V=head_size_v,
+            HEAD_PAD=head_pad,
+            HEAD_PAD_V=head_pad_v,
+            BLOCK_SIZE=k_view.shape[1],
+            BLOCK_R=block_r,
+            HAS_VALUE=has_value,
+            FP8=fp8,
+            FP8_MAX=float(torch.finfo(k_view.dtype).max) if fp8 else 0.0,
+            MAN_BITS=_FP8_MANTISSA_BITS.get(k_view.dtype, 0),
+            num_warps=4,
+        ),
     )
-    kwargs = dict(
-        NUM_HEADS=num_heads,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_V=head_size_v,
-        HEAD_PAD=head_pad,
-        HEAD_PAD_V=head_pad_v,
-        BLOCK_SIZE=k_view.shape[1],
-        BLOCK_R=block_r,
-        HAS_VALUE=has_value,
-        FP8=fp8,
-        FP8_MAX=float(torch.finfo(k_view.dtype).max) if fp8 else 0.0,
-        MAN_BITS=_FP8_MANTISSA_BITS.get(k_view.dtype, 0),
-        num_warps=4,
-    )
-    return _write_kv_kernel, grid, args, kwargs
 
 
 def write_kv_triton(
@@ -247,38 +227,7 @@ def write_kv_triton(
     """Launch the write (see ``plan_write_kv`` for shapes). Asynchronous on CUDA."""
     if slot_mapping.shape[0] == 0:
         return
-    kernel, grid, args, kwargs = plan_write_kv(
-        key, value, k_view, v_view, slot_mapping, k_scale, v_scale
-    )
-    kernel[grid](*args, **kwargs)
-
-
-def interpreting() -> bool:
-    """Whether this module's kernel runs in Triton's interpreter (fixed at import)."""
-    return type(_write_kv_kernel).__name__ == "InterpretedFunction"
-
-
-def fix_interpreter_loop_bounds() -> None:
-    """Let Triton's interpreter take runtime loop bounds under NumPy >= 2.4.
-
-    The interpreter holds scalars as shape-(1,) arrays and converts loop bounds
-    with ``int(array)``, which NumPy 2.4 rejects (triton-lang/triton#9171, fixed
-    after triton 3.6). This re-applies the upstream fix (squeeze first) each time
-    the interpreter patches ``tl.tensor``; it only touches the interpreter.
-    Kernel modules with runtime-bounded loops call it when they are imported.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "fixes_loop_bounds", False):
-        return
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor.fixes_loop_bounds = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patch_lang_tensor
+    plan_write_kv(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)()
 
 
 def _check_rows(name: str, rows: torch.Tensor, view: torch.Tensor, view_name: str) -> None:

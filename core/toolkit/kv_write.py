@@ -1,7 +1,7 @@
 """Writing new K/V rows into any layout's logical view, by slot mapping.
 
 ``write_kv_by_slot`` is what backends call: on CUDA it launches the Triton kernel
-of ``pagedkv.triton_kv_write`` (one launch for K and V, no host sync, CUDA-graph
+of ``pagedkv.toolkit.triton_kv_write`` (one launch for K and V, no host sync, CUDA-graph
 capturable); elsewhere it falls back to ``write_rows_by_slot``, the portable torch
 path, which syncs the host (a boolean mask over the slots). Both store the same
 bits, including fp8 rounding and saturation (``quantize_for_cache``).
@@ -98,11 +98,12 @@ def write_kv_by_slot(
                 raise ValueError("value was given without v_view")
             write_rows_by_slot(value, v_view, slot_mapping, v_scale)
         return
-    from pagedkv.triton_kv_write import interpreting, write_kv_triton
+    from pagedkv.toolkit.interpreter import interpreting
+    from pagedkv.toolkit.triton_kv_write import write_kv_triton
 
     if not key.is_cuda and not interpreting():
         raise ValueError(
             f"the Triton KV write needs CUDA tensors (key is on {key.device}), or "
-            "TRITON_INTERPRET=1 set before pagedkv.triton_kv_write is first imported"
+            "TRITON_INTERPRET=1 set before pagedkv.toolkit.triton_kv_write is first imported"
         )
     write_kv_triton(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)

@@ -1,0 +1,359 @@
+"""Host planning of the MLA attention launches, in two stages.
+
+- ``plan_step`` (the builder, once per step): which attention kernel runs (the Gluon
+  sm_90 kernel, or the Triton kernel with TMA or pointer loads), its grid, and every
+  launch argument that depends only on the step, the spec and the configuration; the
+  split reduction's likewise.
+- ``StepPlan.launches`` (every layer's forward): adds the layer's tensors (query parts,
+  output, and ``layer_args``: the cache's arguments and the layer's scales, which a
+  layer computes once per cache) and returns the ``KernelLaunch`` list.
+
+The kernel choice assumes a cache as ``allocate_kv_cache`` makes it (contiguous, which
+the cache check enforces, and 16-byte aligned); a cache that is not aligned, or too
+large for 32-bit TMA coordinates, gets the Triton kernel with pointer loads, planned
+on the spot (``StepPlan.fallback``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pagedkv.backends.mla.configs import (
+    GLUON_BLOCK_M,
+    GLUON_BLOCK_N,
+    GLUON_NUM_WARPS,
+    GLUON_WORKER_REGS,
+    KernelConfig,
+    gluon_piece_width,
+    pad_dim,
+)
+from pagedkv.backends.mla.kernels import _mla_attention, _mla_reduce
+from pagedkv.graph import GraphBounds
+from pagedkv.intmath import cdiv, next_power_of_2
+from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.interpreter import interpreting
+from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.split_kv import SplitChoice
+from pagedkv.toolkit.triton_helpers import LOG2E
+
+# how the attention kernel reads the latent cache
+GLUON, TMA, POINTER = "gluon", "tma", "pointer"
+_FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# TMA coordinates are 32-bit: the Gluon kernel's out-of-range row must stay below 2**31
+_MAX_TMA_ROWS = 2**31 - GLUON_BLOCK_N
+
+
+# -- tiles -------------------------------------------------------------------------------
+
+
+def tile_table(query_lens: np.ndarray, num_heads: int, block_m: int) -> np.ndarray:
+    """[2, num_tiles] int32: the request and first row of each tile. A tile is ``block_m``
+    consecutive rows of one request, row ``j * H + h`` being head ``h`` of the request's
+    query token ``j``; tiles of one request are adjacent (the programs reading the same
+    latent rows run together: L2 reuse)."""
+    tiles_per_req = -(-(query_lens.astype(np.int64) * num_heads) // block_m)
+    num_tiles = int(tiles_per_req.sum())
+    first_tile = np.cumsum(tiles_per_req) - tiles_per_req
+    tiles = np.empty((2, num_tiles), dtype=np.int32)
+    tiles[0] = np.repeat(np.arange(len(query_lens)), tiles_per_req)
+    tiles[1] = (np.arange(num_tiles) - np.repeat(first_tile, tiles_per_req)) * block_m
+    return tiles
+
+
+def max_tiles(bounds: GraphBounds, num_heads: int, block_m: int) -> int:
+    """The most tiles any step within ``bounds`` has. ``cdiv(q * H, block_m)`` is
+    subadditive, so a token costs at most ``cdiv(H, block_m)`` tiles, and a request's
+    tiles waste at most ``block_m - 1`` rows."""
+    tokens = min(bounds.max_num_tokens, bounds.max_num_reqs * bounds.max_query_len)
+    requests = min(bounds.max_num_reqs, tokens)
+    by_tokens = tokens * cdiv(num_heads, block_m)
+    by_rows = (tokens * num_heads + requests * (block_m - 1)) // block_m
+    return min(by_tokens, by_rows)
+
+
+def pad_tiles(tiles: np.ndarray, num_tiles: int, pad_row: int) -> np.ndarray:
+    """``tiles`` followed by padding tiles up to ``num_tiles``: request 0 from row
+    ``pad_row``, past any request's rows, so the kernels skip them."""
+    if tiles.shape[1] > num_tiles:
+        raise RuntimeError(
+            f"the step has {tiles.shape[1]} tiles, more than the CUDA-graph bound {num_tiles}"
+        )
+    padded = np.zeros((2, num_tiles), dtype=np.int32)
+    padded[:, : tiles.shape[1]] = tiles
+    padded[1, tiles.shape[1] :] = pad_row
+    return padded
+
+
+# -- kernel choice -------------------------------------------------------------------------
+
+
+def gluon_problem(
+    spec: AttentionSpec, config: KernelConfig, kv_per_split: int, capability: tuple[int, int] | None
+) -> str | None:
+    """None when the Gluon sm_90 kernel can run this layer's steps, else why not (the
+    Triton kernel does). The cache's own conditions are ``cache_problem``'s."""
+    lora, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    if not config.use_gluon:
+        return "the configuration asks for the Triton kernel (use_gluon=false or a Triton tile)"
+    if capability != (9, 0):
+        where = "no GPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        return f"wgmma needs sm_90 ({where} here)"
+    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.cache_dtype != spec.dtype:
+        return f"16-bit query and cache only (query {spec.dtype}, cache {spec.cache_dtype})"
+    if lora not in (128, 256, 512) or rope != 64:
+        return f"kv_lora_rank 128, 256 or 512 and rope 64 only (got {lora}, {rope})"
+    if spec.block_size % GLUON_BLOCK_N:
+        return f"block_size {spec.block_size} is not a multiple of {GLUON_BLOCK_N}"
+    if config.block_m != GLUON_BLOCK_M or kv_per_split % GLUON_BLOCK_N:
+        return f"tiles of {GLUON_BLOCK_M} rows and splits of whole {GLUON_BLOCK_N}-row tiles only"
+    return None
+
+
+def has_tma(capability: tuple[int, int] | None) -> bool:
+    """Hopper or newer; the interpreter runs descriptor loads too."""
+    return interpreting() if capability is None else capability[0] >= 9
+
+
+def tma_problem(spec: AttentionSpec, config: KernelConfig) -> str | None:
+    """None when the Triton kernel's latent tiles can come through TMA boxes: power-of-two
+    L and R, whole tiles inside one block, 16-byte rows, a 16-bit cache (fp8 latents
+    through TMA gave NaN on the H200, docs/mla.md)."""
+    lora, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    if lora != pad_dim(lora) or (rope and rope != pad_dim(rope)):
+        return "L and R must be powers of two (>= 16)"
+    if spec.block_size % config.block_n:
+        return f"a {config.block_n}-row tile spans blocks of {spec.block_size}"
+    if spec.cache_dtype in _FP8_TYPES:
+        return "fp8 caches load through pointers"
+    if (lora + rope) * spec.cache_dtype.itemsize % 16:
+        return "latent rows are not a multiple of 16 bytes"
+    return None
+
+
+def cache_problem(cache: torch.Tensor, kind: str) -> str | None:
+    """What keeps this cache tensor from the plan's ``kind`` (it is contiguous: checked)."""
+    if kind == POINTER:
+        return None
+    if cache.data_ptr() % 16:
+        return "the cache is not 16-byte aligned (TMA)"
+    if kind == GLUON and cache.shape[0] * cache.shape[1] >= _MAX_TMA_ROWS:
+        return "more than 2**31 latent rows (TMA coordinates are 32-bit)"
+    return None
+
+
+# -- the step's plan ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's attention launches, but for the layer's tensors and scales."""
+
+    kind: str  # GLUON, TMA or POINTER
+    kernel: Any  # the attention kernel
+    grid: tuple[int, int]  # (tiles, splits)
+    args: dict[str, Any]  # the attention kernel's arguments that only depend on the step
+    reduce_grid: tuple[int, int] | None  # None: one split (or nothing to reduce)
+    reduce_args: dict[str, Any] | None
+    multi_token: bool  # some request has several query tokens (causal limits per row)
+    # the same step planned for the pointer-load Triton kernel (for an unusual cache)
+    fallback: Callable[[], StepPlan] | None = None
+
+    def launches(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
+    ) -> list[KernelLaunch]:
+        """q_nope [T, H, L], q_pe [T, H, R], out [T, H, L], each with a unit last stride;
+        layer: ``layer_args(self.kind, ...)`` of the layer."""
+        if self.grid[0] == 0:
+            return []
+        qn, qp, o = q_nope.stride(), q_pe.stride(), out.stride()
+        args = dict(
+            self.args,
+            QN=q_nope,
+            QP=q_pe,
+            Out=out,
+            stride_qn_t=qn[0],
+            stride_qn_h=qn[1],
+            stride_qp_t=qp[0],
+            stride_qp_h=qp[1],
+            stride_o_t=o[0],
+            stride_o_h=o[1],
+            # one query token per request: its causal limit is the sequence's end
+            CAUSAL=layer.causal and self.multi_token,
+            **layer.attention,
+        )
+        if self.reduce_args is None:
+            # the one-split variant never touches its partial-output pointers
+            args["MidO"] = args["MidLse"] = out
+            return [KernelLaunch(self.kernel, self.grid, args)]
+        reduce = dict(
+            self.reduce_args, Out=out, stride_o_t=o[0], stride_o_h=o[1], out_scale=layer.out_scale
+        )
+        assert self.reduce_grid is not None
+        return [
+            KernelLaunch(self.kernel, self.grid, args),
+            KernelLaunch(_mla_reduce, self.reduce_grid, reduce),
+        ]
+
+
+def plan_step(
+    spec: AttentionSpec,
+    config: KernelConfig,
+    common: CommonAttentionMetadata,
+    tiles: torch.Tensor,
+    split: SplitChoice,
+    mid_o: torch.Tensor | None,
+    mid_lse: torch.Tensor | None,
+    *,
+    reduce_rows: int,
+    capability: tuple[int, int] | None,
+    kind: str | None = None,
+) -> StepPlan:
+    """The step's plan. tiles: [2, num_tiles] int32 on the device (``tile_table``);
+    mid_o [rows, H, S, L] and mid_lse [rows, H, S] float32 when split.num_splits > 1;
+    reduce_rows: token rows the reduction covers (its kernel skips rows past the
+    scheduled tokens); capability: the device's (None: no GPU); kind: None chooses.
+    The layer's scales and causality come with each layer (``layer_args``)."""
+    if kind is None:
+        if gluon_problem(spec, config, split.keys_per_split, capability) is None:
+            kind = GLUON
+        elif config.use_tma and has_tma(capability) and tma_problem(spec, config) is None:
+            kind = TMA
+        else:
+            kind = POINTER
+    lora, rope, heads = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_heads
+    num_splits = split.num_splits
+    one_split = num_splits == 1
+    args: dict[str, Any] = dict(
+        BlockTable=common.block_table,
+        SeqLens=common.seq_lens,
+        QueryStartLoc=common.query_start_loc,
+        TileReq=tiles[0],
+        TileRow0=tiles[1],
+        MidO=mid_o,
+        MidLse=mid_lse,
+        stride_bt=common.block_table.stride(0),
+        kv_per_split=split.keys_per_split,
+        num_splits=num_splits,
+        NUM_HEADS=heads,
+        L=lora,
+        R=rope,
+        BLOCK_SIZE=spec.block_size,
+        ONE_SPLIT=one_split,
+    )
+    if kind == GLUON:
+        from pagedkv.backends.mla.gluon_kernels import _mla_attention_sm90 as kernel
+
+        args.update(
+            TILE_M=GLUON_BLOCK_M,
+            TILE_N=GLUON_BLOCK_N,
+            WORKER_REGS=GLUON_WORKER_REGS,
+            num_warps=GLUON_NUM_WARPS,
+        )
+    else:
+        kernel = _mla_attention
+        args.update(
+            L_PAD=pad_dim(lora),
+            R_PAD=pad_dim(rope),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
+            LAZY_RESCALE=config.lazy_rescale,
+            USE_TMA=kind == TMA,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    reduce_grid = reduce_args = None
+    if not one_split and reduce_rows:
+        splits_pad = next_power_of_2(num_splits)
+        # at most 4096 partial values per program (32 float32 registers a thread)
+        block_l = max(16, min(pad_dim(lora), 4096 // splits_pad))
+        reduce_grid = (reduce_rows * heads, cdiv(lora, block_l))
+        reduce_args = dict(
+            MidO=mid_o,
+            MidLse=mid_lse,
+            QueryStartLoc=common.query_start_loc,
+            num_reqs=common.num_reqs,
+            num_splits=num_splits,
+            NUM_HEADS=heads,
+            L=lora,
+            SPLITS_PAD=splits_pad,
+            BLOCK_L=block_l,
+            num_warps=4,
+        )
+    fallback = None
+    if kind != POINTER:
+        fallback = functools.partial(
+            plan_step, spec, config, common, tiles, split, mid_o, mid_lse,
+            reduce_rows=reduce_rows, capability=capability, kind=POINTER,
+        )  # fmt: skip
+    grid = (tiles.shape[1], num_splits)
+    multi_token = common.max_query_len > 1
+    return StepPlan(kind, kernel, grid, args, reduce_grid, reduce_args, multi_token, fallback)
+
+
+# -- a layer's arguments ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """A layer's launch arguments: its cache (the tensor and its strides, or TMA
+    descriptors of its latent rows) and its spec's scales and causality."""
+
+    attention: dict[str, Any]
+    out_scale: float  # k_scale for an fp8 cache (V is the stored latent), else 1
+    causal: bool
+
+
+def layer_args(kind: str, cache: torch.Tensor, spec: AttentionSpec, block_n: int) -> LayerArgs:
+    """The arguments for a plan of ``kind`` over this cache [N, B, L + R] (contiguous,
+    and without a ``cache_problem`` for ``kind``)."""
+    lora, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    rows, width = cache.shape[0] * cache.shape[1], lora + rope
+    # V is the stored latent: an fp8 cache stores it / k_scale
+    out_scale = spec.k_scale if spec.cache_dtype in _FP8_TYPES else 1.0
+    if kind == GLUON:  # 16-bit caches only
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = _gluon_shared_layout(cache.dtype)
+        box = [GLUON_BLOCK_N, gluon_piece_width(lora)]
+        attention = dict(
+            half_desc=TensorDescriptor(cache, [rows, width], [width, 1], box, layout),
+            rope_desc=TensorDescriptor(cache, [rows, width], [width, 1], [GLUON_BLOCK_N, rope], layout),
+            oob_row=rows,  # a row past the last one: TMA reads zeros there
+            qk_scale=spec.scale * LOG2E,
+        )  # fmt: skip
+        return LayerArgs(attention, 1.0, spec.causal)
+    attention = dict(
+        Cache=cache,
+        KVDesc=None,
+        PEDesc=None,
+        stride_cache_block=cache.stride(0),
+        stride_cache_slot=cache.stride(1),
+        # fp8: k_scale folds into the scores' scale and the output's
+        qk_scale=spec.scale * LOG2E * out_scale,
+        out_scale=out_scale,
+    )
+    if kind == TMA:
+        from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+        latent_rows = cache.view(rows, width)
+        attention["KVDesc"] = TritonDescriptor.from_tensor(latent_rows, [block_n, lora])
+        if rope:
+            attention["PEDesc"] = TritonDescriptor.from_tensor(latent_rows, [block_n, rope])
+    return LayerArgs(attention, out_scale, spec.causal)
+
+
+@functools.cache
+def _gluon_shared_layout(dtype: torch.dtype) -> Any:
+    # the 128-byte swizzle of a [64, 64] 16-bit tile; wider tiles of 64-column multiples
+    # get the same one, so every shared buffer of the kernel uses it
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, 64], gl_dtype)

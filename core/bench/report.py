@@ -1,0 +1,100 @@
+"""Tables, markdown, JSON and a plot of ``pagedkv bench`` results."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from pagedkv.bench.runners import Row
+from pagedkv.textutil import format_table
+
+HEADERS = [
+    "workload", "impl", "eager us", "graph us", "host us", "write us", "GB/s", "%copy",
+    "TFLOP/s", "vs base", "max|diff|", "config",
+]  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def row_cells(r: Row) -> list[str]:
+    if r.error:
+        error = " ".join(r.error.split())[:100]
+        return [r.workload, r.impl, "ERROR", error, *[""] * (len(HEADERS) - 4)]
+    config = " ".join(f"{k}={v}" for k, v in r.config.items() if k != "backend")
+    return [
+        r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.graph_us, ".1f"),
+        _fmt(r.host_us, ".1f"), _fmt(r.write_us, ".1f"), _fmt(r.gbps, ".0f"),
+        _fmt(r.pct_copy, ".1f"), _fmt(r.tflops, ".1f"), _fmt(r.vs_baseline, ".2f"),
+        _fmt(r.max_abs_diff, ".1e"), config,
+    ]  # fmt: skip
+
+
+def text_table(rows: list[Row]) -> str:
+    return format_table(HEADERS, [row_cells(r) for r in rows])
+
+
+def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) -> str:
+    lines = [
+        "# pagedkv bench",
+        "",
+        f"{env.get('gpu') or env.get('device')}; copy bandwidth (read + write, measured in this "
+        f"run) {env['copy_bandwidth'] / 1e12:.3f} TB/s; torch {env['torch']}, triton "
+        f"{env.get('triton')}, flashinfer {env.get('flashinfer')}; command `{env['command']}`",
+        "",
+        "| workload | step | layer |",
+        "|---|---|---|",
+        *(f"| {name} | {text} |" for name, text in workloads.items()),
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+        *("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |" for r in rows),
+        "",
+        "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `graph`: the same "
+        "call replayed from a CUDA graph captured through `reserve_cuda_graph`); `host` = eager - "
+        "graph; `vs base` = the baseline's best time / this row's best time (> 1: faster); "
+        "`max|diff|` against the torch backend (fp32 maths).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: str, rows: list[Row], env: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(
+            {"environment": env, "rows": [asdict(r) | {"host_us": r.host_us} for r in rows]},
+            f,
+            indent=1,
+        )
+
+
+def plot(path: str, rows: list[Row], baseline: str | None) -> None:
+    """Speed relative to the baseline (or to the first impl), one bar group per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = [i for i in dict.fromkeys(r.impl for r in rows) if i != baseline]
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    best = {(r.workload, r.impl): r.best_us for r in rows if r.best_us}
+    ref = baseline or impls[0]
+    fig, ax = plt.subplots(figsize=(max(8, len(workloads) * 0.7), 4.5))
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        ys = [
+            best[(w, ref)] / best[(w, impl)] if (w, ref) in best and (w, impl) in best else 0.0
+            for w in workloads
+        ]
+        ax.bar([i + k * width for i in range(len(workloads))], ys, width, label=impl)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
+    ax.set_xticklabels(workloads, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(f"speed vs {ref} (best of eager/graph)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

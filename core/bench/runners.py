@@ -1,0 +1,189 @@
+"""What ``pagedkv bench`` times: a pagedkv backend through the contract (eager, and
+CUDA graphs through ``reserve_cuda_graph``), or a raw library call on the same data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pagedkv.bench.problem import BenchProblem, fill_cache
+from pagedkv.bench.timing import synchronize, time_graph_us, time_us
+from pagedkv.graph import GraphBounds
+from pagedkv.intmath import cdiv
+from pagedkv.selection import select_backend
+
+
+@dataclass
+class Row:
+    workload: str
+    impl: str  # a pagedkv backend config, or "raw:<library>"
+    eager_us: float | None = None
+    graph_us: float | None = None
+    write_us: float | None = None  # pagedkv only: impl.write_kv of the step's new K/V
+    gbps: float | None = None  # io bytes / best time
+    pct_copy: float | None = None  # of the copy bandwidth measured in the same run
+    tflops: float | None = None
+    vs_baseline: float | None = None  # baseline best time / this best time (> 1: faster)
+    max_abs_diff: float | None = None  # against the torch backend's output
+    graph_diff: float | None = None  # graph replay vs the eager output
+    config: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def best_us(self) -> float | None:
+        times = [t for t in (self.eager_us, self.graph_us) if t is not None]
+        return min(times) if times else None
+
+    @property
+    def host_us(self) -> float | None:
+        """Eager minus graph: the host's share of an eager call."""
+        if self.eager_us is None or self.graph_us is None:
+            return None
+        return self.eager_us - self.graph_us
+
+
+def _bounds(problem: BenchProblem) -> GraphBounds:
+    w = problem.workload
+    return GraphBounds(
+        max_num_reqs=w.num_reqs,
+        max_num_tokens=w.num_tokens,
+        max_blocks_per_req=cdiv(max(w.seq_lens), problem.spec.block_size),
+        max_query_len=max(w.query_lens),
+    )
+
+
+def run_pagedkv(
+    config: str, problem: BenchProblem, *, graph: bool = True
+) -> tuple[Row, torch.Tensor | None]:
+    """Time one backend config (selected as an engine would, so composite configs work)."""
+    row = Row(problem.workload.name, config)
+    spec, device = problem.spec, problem.query.device
+    try:
+        backend = select_backend(config, spec, device)
+        row.config["backend"] = repr(backend)
+        kv_cache = backend.allocate_kv_cache(problem.num_blocks, spec, device)
+        fill_cache(backend, kv_cache, problem)
+        impl = backend.make_impl(spec)
+        metadata = backend.make_builder(spec, device).build(problem.common)
+        for name in ("tile", "num_splits"):
+            if hasattr(metadata, name):
+                row.config[name] = str(getattr(metadata, name))
+        out = problem.query.new_empty(problem.query.shape[0], spec.num_heads, spec.head_size_v)
+
+        def attend() -> None:
+            impl.forward(problem.query, None, None, kv_cache, metadata, out)
+
+        attend()
+        synchronize(device)
+        result = out.clone()
+        row.eager_us = time_us(attend, device)
+        support = backend.capabilities.graph_support
+        if graph and device.type == "cuda" and support.allows(max(problem.workload.query_lens)):
+            builder = backend.make_builder(spec, device)
+            builder.reserve_cuda_graph(_bounds(problem))
+            graph_md = builder.build(problem.common)
+            graph_out = torch.empty_like(out)
+            row.graph_us = time_graph_us(
+                lambda: impl.forward(problem.query, None, None, kv_cache, graph_md, graph_out)
+            )
+            if row.graph_us is not None:
+                n = problem.common.num_actual_tokens
+                row.graph_diff = float((graph_out[:n].float() - result[:n].float()).abs().max())
+        # the write goes to a scratch copy: the timed cache keeps the problem's values
+        scratch = kv_cache.clone()
+        row.write_us = time_us(
+            lambda: impl.write_kv(problem.new_key, problem.new_value, scratch, metadata), device
+        )
+        return row, result
+    except Exception as exc:
+        row.error = f"{type(exc).__name__}: {exc}"
+        return row, None
+
+
+def run_baseline(
+    name: str, problem: BenchProblem, *, graph: bool = True
+) -> tuple[Row, torch.Tensor | None]:
+    row = Row(problem.workload.name, f"raw:{name}")
+    device = problem.query.device
+    try:
+        runner = BASELINES[name](problem)
+        result = runner().clone()
+        synchronize(device)
+        row.eager_us = time_us(runner, device)
+        if graph and device.type == "cuda":
+            row.graph_us = time_graph_us(runner)
+        return row, result
+    except Exception as exc:
+        row.error = f"{type(exc).__name__}: {exc}"
+        return row, None
+
+
+def reference_output(problem: BenchProblem) -> torch.Tensor:
+    """The torch backend's output (fp32 maths), the yardstick for every row."""
+    from pagedkv.backends.torch import TorchBackend
+
+    backend = TorchBackend()
+    spec, device = problem.spec, problem.query.device
+    kv_cache = backend.allocate_kv_cache(problem.num_blocks, spec, device)
+    fill_cache(backend, kv_cache, problem)
+    metadata = backend.make_builder(spec, device).build(problem.common)
+    out = backend.make_impl(spec).forward(problem.query, None, None, kv_cache, metadata)
+    return out[: problem.common.num_actual_tokens]
+
+
+# -- raw libraries ---------------------------------------------------------------------------
+
+# FlashInfer's recommended workspace, with room for split-KV partials
+_WORKSPACE_BYTES = 256 << 20
+
+
+def flashinfer(problem: BenchProblem) -> Callable[[], torch.Tensor]:
+    """FlashInfer, called directly on the same bytes ((2, N, B, H, D): each half an NHD
+    paged cache): BatchDecodeWithPagedKVCacheWrapper (tensor cores) when every request
+    decodes one token, else BatchPrefillWithPagedKVCacheWrapper (causal) over all rows.
+    Planned once; the returned call runs one step."""
+    import flashinfer as fi
+    from pagedkv.backends.flashinfer.metadata import paged_kv_csr
+
+    s, device = problem.spec, problem.query.device
+    cache = torch.empty(
+        (2, problem.num_blocks, s.block_size, s.num_kv_heads, s.head_size),
+        dtype=s.cache_dtype,
+        device=device,
+    )
+    from pagedkv.toolkit.kv_write import quantize_for_cache
+
+    cache[0].copy_(quantize_for_cache(problem.key_blocks, s.cache_dtype, s.k_scale))
+    cache[1].copy_(quantize_for_cache(problem.value_blocks, s.cache_dtype, s.v_scale))
+    kv = (cache[0], cache[1])
+    csr = paged_kv_csr(
+        problem.common.block_table, problem.common.seq_lens_cpu.numpy(), s.block_size
+    )
+    indptr, indices, last = (t.to(device) for t in (csr.indptr, csr.indices, csr.last_page_len))
+    workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    out = torch.empty_like(problem.query)
+    scales = dict(k_scale=s.k_scale, v_scale=s.v_scale) if s.is_fp8_kv else {}
+    common = dict(q_data_type=s.dtype, kv_data_type=s.cache_dtype, sm_scale=s.scale)
+    if max(problem.workload.query_lens) == 1:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        wrapper.plan(
+            indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_size, s.block_size, **common
+        )
+    else:
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(
+            problem.common.query_start_loc, indptr, indices, last, s.num_heads, s.num_kv_heads,
+            s.head_size, s.block_size, causal=True, **common,
+        )  # fmt: skip
+
+    def run() -> torch.Tensor:
+        return wrapper.run(problem.query, kv, out=out, **scales)
+
+    return run
+
+
+BASELINES: dict[str, Callable[[BenchProblem], Callable[[], torch.Tensor]]] = {
+    "flashinfer": flashinfer,
+}

@@ -1,0 +1,54 @@
+"""Timers of ``pagedkv bench``: medians after warm-up, L2 flushed on the GPU."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def time_us(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median time of one call. CUDA: ``triton.testing.do_bench`` (L2 flushed before each
+    call); CPU: wall-clock median of repeated calls."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()  # warm-up
+    times = []
+    deadline = time.perf_counter() + 0.5
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def time_graph_us(fn: Callable[[], Any]) -> float | None:
+    """Median per call replayed from a CUDA graph (``do_bench_cudagraph``: no launch
+    overhead); None, with the reason on stderr, when ``fn`` cannot be captured."""
+    import triton.testing
+
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:
+        print(f"    (no CUDA-graph timing: {type(exc).__name__}: {exc})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), measured now."""
+    n = int(gib * (1 << 30)) if device.type == "cuda" else 1 << 26
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return 2 * n / (time_us(lambda: dst.copy_(src), device) * 1e-6)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

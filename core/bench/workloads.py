@@ -1,0 +1,152 @@
+"""The workload matrix of ``pagedkv bench``: realistic serving steps, not only uniform batches.
+
+A workload is one step (per-request context and query lengths) through one layer
+shape. Lengths are drawn from seeded distributions, so a row is the same step on
+every run and every machine.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The attention layer a workload runs through."""
+
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"
+
+    def describe(self) -> str:
+        cache = "" if self.kv_cache_dtype == "auto" else f" {self.kv_cache_dtype}"
+        return (
+            f"Hq{self.num_heads}/Hkv{self.num_kv_heads} D{self.head_size} B{self.block_size} "
+            f"{self.dtype}{cache}"
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str  # decode, ragged-decode, spec-decode, mixed, prefill, chunked-prefill
+    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    layer: Layer = field(default_factory=Layer)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    def describe(self) -> str:
+        decodes = sum(q == 1 for q in self.query_lens)
+        others = self.num_reqs - decodes
+        ctx = [s - q for s, q in zip(self.seq_lens, self.query_lens, strict=True)]
+        return (
+            f"{self.num_reqs} reqs ({decodes} decode, {others} longer), {self.num_tokens} tokens, "
+            f"context {min(ctx)}..{max(ctx)} (mean {sum(ctx) // max(1, len(ctx))})"
+        )
+
+
+def uniform(
+    name: str, batch: int, seq_len: int, query_len: int, layer: Layer, kind: str
+) -> Workload:
+    return Workload(name, kind, (seq_len,) * batch, (query_len,) * batch, layer)
+
+
+def long_tailed_contexts(rng: random.Random, n: int, median: int, cap: int) -> list[int]:
+    """Context lengths with a serving-like long tail (log-normal, sigma 1), in [16, cap]."""
+    return [max(16, min(cap, int(rng.lognormvariate(0, 1.0) * median))) for _ in range(n)]
+
+
+def ragged_decode(
+    name: str, batch: int, median: int, cap: int, layer: Layer, seed: int = 0
+) -> Workload:
+    rng = random.Random(seed)
+    ctx = long_tailed_contexts(rng, batch, median, cap)
+    return Workload(name, "ragged-decode", tuple(c + 1 for c in ctx), (1,) * batch, layer)
+
+
+def spec_decode(
+    name: str, batch: int, median: int, draft: int, layer: Layer, seed: int = 0
+) -> Workload:
+    """Speculative decoding: each request verifies ``draft`` tokens (2-8)."""
+    rng = random.Random(seed)
+    ctx = long_tailed_contexts(rng, batch, median, 16 * median)
+    return Workload(name, "spec-decode", tuple(c + draft for c in ctx), (draft,) * batch, layer)
+
+
+def mixed(
+    name: str,
+    decodes: int,
+    median: int,
+    chunks: tuple[tuple[int, int], ...],
+    layer: Layer,
+    seed: int = 0,
+) -> Workload:
+    """A serving step: ragged decodes first, then chunked prefills ``(context, chunk)``."""
+    rng = random.Random(seed)
+    ctx = long_tailed_contexts(rng, decodes, median, 16 * median)
+    seq = [c + 1 for c in ctx] + [c + q for c, q in chunks]
+    qry = [1] * decodes + [q for _, q in chunks]
+    return Workload(name, "mixed", tuple(seq), tuple(qry), layer)
+
+
+BASE = Layer()
+
+
+def _matrix() -> dict[str, list[Workload]]:
+    d64 = Layer(head_size=64, block_size=32)
+    d256 = Layer(head_size=256, num_heads=16, num_kv_heads=4)
+    gqa1 = Layer(num_heads=32, num_kv_heads=32)
+    gqa8 = Layer(num_heads=64, num_kv_heads=8)
+    gqa16 = Layer(num_heads=64, num_kv_heads=4)
+    b64 = Layer(block_size=64)
+    fp8 = Layer(kv_cache_dtype="fp8_e4m3")
+    core = [
+        uniform("decode-64x4096", 64, 4096, 1, BASE, "decode"),
+        uniform("decode-256x1024", 256, 1024, 1, BASE, "decode"),
+        uniform("decode-4x32k", 4, 32768, 1, BASE, "decode"),
+        uniform("decode-1x32k", 1, 32768, 1, BASE, "decode"),
+        uniform("prefill-8x2048", 8, 2048, 2048, BASE, "prefill"),
+    ]
+    serving = [
+        ragged_decode("ragged-decode-128", 128, 1024, 32768, BASE, seed=1),
+        ragged_decode("ragged-decode-32-long", 32, 8192, 131072, BASE, seed=2),
+        mixed("mixed-96d+2chunks", 96, 1024, ((2048, 512), (8192, 512)), BASE, seed=3),
+        mixed("mixed-16d+1chunk", 16, 2048, ((4096, 256),), BASE, seed=4),
+        spec_decode("spec-decode-64x4", 64, 2048, 4, BASE, seed=5),
+        spec_decode("spec-decode-32x8", 32, 2048, 8, BASE, seed=6),
+        ragged_decode("gqa1-ragged-decode", 64, 1024, 16384, gqa1, seed=7),
+        ragged_decode("gqa8-ragged-decode", 64, 2048, 32768, gqa8, seed=8),
+        ragged_decode("gqa16-ragged-decode", 64, 2048, 32768, gqa16, seed=9),
+        mixed("d64-b32-mixed", 64, 1024, ((1024, 512),), d64, seed=10),
+        mixed("d256-mixed", 48, 1024, ((2048, 256),), d256, seed=11),
+        ragged_decode("b64-ragged-decode", 64, 2048, 32768, b64, seed=12),
+        uniform("fp8-decode-64x4096", 64, 4096, 1, fp8, "decode"),
+        mixed("fp8-mixed", 64, 1024, ((2048, 512),), fp8, seed=13),
+        uniform("prefill-2x8192", 2, 8192, 8192, BASE, "prefill"),
+        Workload("chunked-prefill-4x2048+8k", "chunked-prefill", (10240,) * 4, (2048,) * 4, BASE),
+    ]
+    tiny = Layer(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype="fp32")
+    cpu = [
+        uniform("tiny-decode", 4, 100, 1, tiny, "decode"),
+        mixed("tiny-mixed", 3, 40, ((30, 17),), tiny, seed=1),
+        spec_decode("tiny-spec", 2, 40, 3, tiny, seed=2),
+    ]
+    return {"core": core, "standard": core + serving, "tiny": cpu}
+
+
+MATRICES = _matrix()

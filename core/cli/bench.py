@@ -1,0 +1,114 @@
+"""``pagedkv bench``: time backend configs on a matrix of serving steps (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+
+def split_configs(text: str) -> list[str]:
+    """Split "a,b(x=1,y=2),split(decode=a,prefill=b)" on the commas outside parentheses."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [c.strip() for c in out if c.strip()]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "bench",
+        help="Time backend configs on realistic serving steps, next to FlashInfer.",
+        description=(
+            "Time each backend config (eager and CUDA-graph through the contract) on a matrix "
+            "of serving steps: uniform, ragged and speculative decodes, mixed decode+chunk "
+            "steps, GQA 1/4/8/16, head sizes 64/128/256, block sizes 16/32/64, fp8 caches and "
+            "prefills. Prints a table; --json/--markdown/--plot write files."
+        ),
+    )
+    parser.add_argument(
+        "--backends",
+        default="triton",
+        help="Backend configs to time, comma-separated (parentheses group options), "
+        "e.g. 'triton,triton(num_splits=1),flashinfer'.",
+    )
+    parser.add_argument(
+        "--matrix", default=None, help="Workload matrix: core, standard or tiny "
+        "(default: standard on a GPU, tiny on a CPU)."
+    )  # fmt: skip
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="Only workloads whose names match these globs (comma-separated).",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="Raw library to compare with: flashinfer or none (default: flashinfer when installed).",
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present).")
+    parser.add_argument("--no-graph", action="store_true", help="Skip the CUDA-graph timings.")
+    parser.add_argument("--no-check", action="store_true", help="Skip the torch-backend check.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the random data.")
+    parser.add_argument("--json", metavar="PATH", help="Write rows and environment as JSON.")
+    parser.add_argument("--markdown", metavar="PATH", help="Write a markdown report.")
+    parser.add_argument("--plot", metavar="PATH", help="Write a PNG of speed vs the baseline.")
+    parser.add_argument("--list", action="store_true", help="List the matrix's workloads and exit.")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from pagedkv.bench import run_bench, select_workloads
+    from pagedkv.bench.report import markdown, plot, text_table, write_json
+    from pagedkv.errors import ConfigError
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    matrix = args.matrix or ("standard" if device.startswith("cuda") else "tiny")
+    patterns = [p for p in args.workloads.split(",") if p.strip()]
+    workloads = select_workloads(matrix, patterns)
+    if args.list:
+        for w in workloads:
+            print(f"{w.name:<28} {w.describe()}; {w.layer.describe()}")
+        return 0
+    baseline = args.baseline
+    if baseline is None:
+        has_fi = device.startswith("cuda") and importlib.util.find_spec("flashinfer") is not None
+        baseline = "flashinfer" if has_fi else None
+    elif baseline == "none":
+        baseline = None
+    elif baseline != "flashinfer":
+        raise ConfigError(f"--baseline {baseline!r}: expected flashinfer or none")
+    configs = split_configs(args.backends)
+    if not configs:
+        raise ConfigError("--backends: expected at least one backend config")
+    rows, env = run_bench(
+        configs,
+        workloads,
+        device=device,
+        baseline=baseline,
+        graph=not args.no_graph,
+        check=not args.no_check,
+        seed=args.seed,
+    )
+    print(
+        f"\n{env.get('gpu') or env['device']}: copy bandwidth (read + write, measured now) "
+        f"{env['copy_bandwidth'] / 1e12:.3f} TB/s"
+    )
+    print(text_table(rows))
+    if args.json:
+        write_json(args.json, rows, env)
+    if args.markdown:
+        described = {w.name: f"{w.describe()} | {w.layer.describe()}" for w in workloads}
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, env, described))
+    if args.plot:
+        plot(args.plot, rows, f"raw:{baseline}" if baseline else None)
+    return 1 if any(r.error for r in rows if not r.error.startswith("NoUsableBackendError")) else 0

@@ -1,0 +1,485 @@
+"""Split-KV (flash-decoding): when few query tiles would leave SMs idle, several programs
+share one sequence's keys and a reduction merges their partial results.
+
+One rule for every backend; each backend keeps its own ``SplitPolicy`` numbers (its
+programs differ in size), and every backend names the forcing option ``num_splits``.
+
+For backends whose kernels cannot split one sequence, the combinator below splits at
+the pagedkv level: slices of a long decode request become extra requests of one
+backend call, merged by log-sum-exp (``SplitKVCombinator``; the pieces
+``plan_decode_slices``, ``attend_sliced`` and ``merge_by_lse`` for a backend that
+integrates them in its own builder and impl).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from pagedkv.errors import MetadataError, UnsupportedError
+from pagedkv.intmath import cdiv
+from pagedkv.metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
+    from pagedkv.graph import GraphBounds
+    from pagedkv.spec import AttentionSpec
+
+# Without a GPU (Triton's interpreter, Pallas interpret mode) there is no SM count; this
+# stands in for it, small enough that only few-sequence, long-context batches split,
+# so CPU tests still cover the split path.
+CPU_SM_COUNT = 4
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of ``device``; CPU_SM_COUNT for a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    num_splits: int  # programs per query tile along the keys
+    keys_per_split: int  # a multiple of the caller's granule; the last split may be shorter
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """When and how far to split.
+
+    A batch splits when its longest query has at most ``max_query_len`` tokens (None:
+    any) and its grid has fewer than ``split_below_programs_per_sm`` programs per SM;
+    it then gets enough splits for ``target_programs_per_sm``, each split keeping at
+    least ``min_keys_per_split`` keys, at most ``max_splits``.
+    """
+
+    max_query_len: int | None = 8
+    split_below_programs_per_sm: float = 2.0
+    target_programs_per_sm: float = 4.0
+    min_keys_per_split: int = 512
+    max_splits: int = 64
+
+    def choose(
+        self,
+        num_programs: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_sms: int,
+        *,
+        forced: int | None = None,
+        granule: int = 1,
+    ) -> SplitChoice:
+        """Splits for a grid of ``num_programs`` (query tiles x heads it runs in parallel)
+        over sequences of at most ``max_seq_len`` keys. ``forced`` (the backend's
+        ``num_splits`` option; 0 or None = choose) overrides the rule; ``granule``
+        (keys per inner-loop step) divides every split but the last."""
+        if forced:
+            splits = max(1, min(forced, self.max_splits))
+        elif (
+            num_programs <= 0
+            or max_seq_len <= 0
+            or (self.max_query_len is not None and max_query_len > self.max_query_len)
+            or num_programs >= self.split_below_programs_per_sm * num_sms
+        ):
+            splits = 1
+        else:
+            by_occupancy = int(self.target_programs_per_sm * num_sms // num_programs)
+            by_length = max_seq_len // self.min_keys_per_split
+            splits = max(1, min(self.max_splits, by_occupancy, by_length))
+        if splits == 1 or max_seq_len <= 0:
+            return SplitChoice(1, max(granule, cdiv(max(max_seq_len, 1), granule) * granule))
+        keys = cdiv(cdiv(max_seq_len, splits), granule) * granule
+        # no split is empty for the longest sequence
+        return SplitChoice(cdiv(max_seq_len, keys), keys)
+
+
+# -- the split-KV combinator: slices of long decodes as extra requests ---------------------
+#
+# A backend that cannot split one sequence's keys across programs still can when the
+# sequence is presented to it as several requests, one per slice of its page table,
+# each with a copy of the query row. The backend attends the expanded step once,
+# returning each row's log-sum-exp (``attend_with_lse``), and ``merge_by_lse`` combines
+# each original row's slices in one small kernel. Only rows whose request has one query
+# token are cut: a single query sits at the last position and sees every key before it,
+# so each slice, attended as a request of its own, sees exactly its keys. A request
+# with L > 1 query rows cannot be cut this way under the causal mask: its row j sees
+# keys up to position seq_len - L + j, but a slice attended as a request masks
+# relative to the slice's own end, so every row but the last would see other keys.
+
+
+class LSEAttention(Protocol):
+    """What an impl provides to be split by the combinator."""
+
+    def attend_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` without the layer's sinks, with the log-sum-exp (natural log) of each
+        row's scaled scores, [T, num_heads] float32 (-inf: no key). Returns the tensors
+        holding the results: ``output`` and ``lse`` once written, or the kernel's own of
+        the same shapes (any strides) to spare a copy. Rows past ``num_actual_tokens``
+        are unspecified in both."""
+
+
+def split_problem(spec: AttentionSpec) -> str | None:
+    """Why the combinator cannot cut this layer's decode rows into slices, or None."""
+    if spec.sliding_window is not None:
+        return (
+            "sliding window: each slice is attended as a request of its own, whose query "
+            "sits at the slice's end, so the window would select keys by the wrong position"
+        )
+    if spec.alibi_slopes is not None:
+        return (
+            "ALiBi: the bias slope * (k - q) depends on absolute positions, which move when "
+            "a slice is attended as a request of its own"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class SliceCapacity:
+    """Fixed sizes of a sliced step, so a CUDA graph captured on one replays any other."""
+
+    num_requests: int  # virtual requests
+    num_rows: int  # rows of the expanded query
+    table_width: int  # block-table columns
+
+    @classmethod
+    def for_bounds(cls, bounds: GraphBounds, num_splits: int) -> SliceCapacity:
+        """Room for every step within ``bounds`` when requests are cut into at most
+        ``num_splits`` slices (a request has at most one decode row)."""
+        decodes = min(bounds.max_num_reqs, bounds.max_num_tokens)
+        extra = decodes * (num_splits - 1)
+        return cls(
+            bounds.max_num_reqs + extra, bounds.max_num_tokens + extra, bounds.max_blocks_per_req
+        )
+
+
+@dataclass(frozen=True)
+class DecodeSlices:
+    """A step whose long decode requests are cut into slices of their keys.
+
+    ``common`` is the expanded step: request order kept, each cut request replaced
+    by its slices (``keys_per_split`` keys each, the last one the rest, each with a
+    copy of the query row), every other request whole. Its slot mapping is all -1:
+    attending it writes nothing. Expanded rows keep the original rows' order.
+    """
+
+    common: CommonAttentionMetadata
+    query_rows: torch.Tensor  # [T_exp] int64, device: the original row each expanded row copies
+    merge_indptr: torch.Tensor  # [T + 1] int32, device: original row t merges rows [t]:[t + 1]
+    num_cut: int  # requests cut into more than one slice
+    keys_per_split: int
+
+
+Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def plan_decode_slices(
+    common: CommonAttentionMetadata,
+    keys_per_split: int,
+    *,
+    capacity: SliceCapacity | None = None,
+    buffer: Buffer | None = None,
+) -> DecodeSlices:
+    """Cut every request with one query token and more than ``keys_per_split`` keys.
+
+    Host planning from the step's CPU copies; the sliced block table is gathered on the
+    table's device (small host-to-device copies, no sync). ``keys_per_split`` must be a
+    multiple of the block size (slices start on a page). With ``capacity`` (a CUDA-graph
+    reservation) every tensor has the capacity's fixed size — unused requests are empty,
+    unused rows padding — and lives in ``buffer(name, shape, dtype)`` (the builder's
+    ``scratch``: persistent under a reservation).
+    """
+    bs = common.block_size
+    if keys_per_split <= 0 or keys_per_split % bs:
+        raise ValueError(
+            f"keys_per_split = {keys_per_split}: expected a positive multiple of the block "
+            f"size {bs} (each slice starts on a page)"
+        )
+    qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
+    seq = common.seq_lens_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(qsl)
+    cut = (query_lens == 1) & (seq > keys_per_split)
+    pieces = np.where(cut, -(-seq // keys_per_split), 1)
+    req = np.repeat(np.arange(seq.size, dtype=np.int64), pieces)
+    piece = np.arange(req.size, dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    first_key = np.where(cut[req], piece * keys_per_split, 0)
+    v_seq = np.where(cut[req], np.minimum(keys_per_split, seq[req] - first_key), seq[req])
+    v_query = np.where(cut[req], 1, query_lens[req])
+    v_qsl = np.zeros(req.size + 1, dtype=np.int64)
+    np.cumsum(v_query, out=v_qsl[1:])
+    rows = int(v_qsl[-1])
+    query_rows = np.repeat(qsl[req] - v_qsl[:-1], v_query) + np.arange(rows, dtype=np.int64)
+    # expanded rows are in the original rows' order: row t's slices are one run
+    merge_indptr = np.searchsorted(query_rows, np.arange(common.num_tokens + 1), side="left")
+    pages = -(-v_seq // bs)
+
+    num_v, num_rows = req.size, rows
+    width = max(1, int(pages.max(initial=0)))
+    if capacity is not None:
+        for name, got, cap in (
+            ("requests", num_v, capacity.num_requests),
+            ("rows", rows, capacity.num_rows),
+            ("block-table columns", width, capacity.table_width),
+        ):
+            if got > cap:
+                raise MetadataError(
+                    f"split-KV slices: {got} {name} exceed the reserved {cap} (SliceCapacity "
+                    "from the CUDA-graph bounds)"
+                )
+        num_v, num_rows, width = capacity.num_requests, capacity.num_rows, capacity.table_width
+    pad_v = num_v - req.size
+    v_qsl = np.pad(v_qsl, (0, pad_v), mode="edge")
+    v_seq = np.pad(v_seq, (0, pad_v))
+    query_rows = np.pad(query_rows, (0, num_rows - rows))
+
+    device = common.block_table.device
+    host = {
+        "query_start_loc": v_qsl.astype(np.int32),
+        "seq_lens": v_seq.astype(np.int32),
+        "query_rows": query_rows,
+        "merge_indptr": merge_indptr.astype(np.int32),
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, array in host.items():
+        src = torch.from_numpy(array)
+        if buffer is None:
+            out[name] = src.to(device, non_blocking=True)
+        else:
+            out[name] = buffer(f"split_kv.{name}", tuple(src.shape), src.dtype)
+            out[name].copy_(src, non_blocking=True)
+
+    # the sliced table: row v holds its request's pages from its slice's first page on
+    first_page = torch.from_numpy(np.pad(first_key // bs, (0, pad_v))).to(device)
+    owner = torch.from_numpy(np.pad(req, (0, pad_v))).to(device)
+    used = torch.from_numpy(np.pad(pages, (0, pad_v))).to(device)
+    cols = torch.arange(width, device=device)
+    src_cols = first_page[:, None] + cols[None, :]
+    in_slice = cols[None, :] < used[:, None]
+    table = common.block_table
+    gathered = table[owner[:, None], src_cols.clamp_max(table.shape[1] - 1)]
+    sliced = torch.where(in_slice, gathered, torch.zeros((), dtype=table.dtype, device=device))
+    if buffer is None:
+        block_table = sliced
+        slot_mapping = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    else:
+        block_table = buffer("split_kv.block_table", (num_v, width), table.dtype)
+        block_table.copy_(sliced)
+        slot_mapping = buffer("split_kv.slot_mapping", (num_rows,), torch.int64)
+        slot_mapping.fill_(-1)
+
+    expanded = CommonAttentionMetadata(
+        query_start_loc=out["query_start_loc"],
+        seq_lens=out["seq_lens"],
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        num_actual_tokens=rows,
+        max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len,
+        query_start_loc_cpu=torch.from_numpy(host["query_start_loc"]),
+        seq_lens_cpu=torch.from_numpy(host["seq_lens"]),
+        block_size=bs,
+    )
+    return DecodeSlices(
+        expanded, out["query_rows"], out["merge_indptr"], int(cut.sum()), keys_per_split
+    )
+
+
+def merge_by_lse(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    merge_indptr: torch.Tensor,
+    output: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> None:
+    """Merge partial attention results over disjoint key ranges into ``output``.
+
+    output[t] = sum_k exp(lse_k - M) * partial_out[k] / Z over the partial rows
+    k in [merge_indptr[t], merge_indptr[t + 1]), with M the largest LSE (and sink)
+    and Z = sum_k exp(lse_k - M) + exp(sink - M): the layer's sinks count once per
+    row, however many slices it has. A row with no partial rows gets zeros.
+
+    partial_out: [R, H, Dv] (any float dtype); partial_lse: [R, H] float32, natural log
+    (-inf: no key); merge_indptr: [T + 1] int32 (non-decreasing, merge_indptr[T] <= R);
+    output: [T, H, Dv]; sinks: [H] float32 logits or None.
+
+    use_triton: None picks the Triton kernel for CUDA tensors (when triton is installed)
+    and the torch path otherwise; True forces it (CPU tensors need TRITON_INTERPRET=1).
+    """
+    rows, heads, head_size_v = output.shape
+    if partial_out.dim() != 3 or tuple(partial_out.shape[1:]) != (heads, head_size_v):
+        raise ValueError(
+            f"partial_out: expected [R, {heads}, {head_size_v}], got {tuple(partial_out.shape)}"
+        )
+    if tuple(partial_lse.shape) != (partial_out.shape[0], heads) or (
+        partial_lse.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"partial_lse: expected float32 [{partial_out.shape[0]}, {heads}], got "
+            f"{partial_lse.dtype} {tuple(partial_lse.shape)}"
+        )
+    if tuple(merge_indptr.shape) != (rows + 1,) or merge_indptr.dtype != torch.int32:
+        raise ValueError(
+            f"merge_indptr: expected int32 [{rows + 1}], got {merge_indptr.dtype} "
+            f"{tuple(merge_indptr.shape)}"
+        )
+    if sinks is not None and (tuple(sinks.shape) != (heads,) or sinks.dtype != torch.float32):
+        raise ValueError(
+            f"sinks: expected float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if use_triton is None:
+        use_triton = output.is_cuda and importlib.util.find_spec("triton") is not None
+    if use_triton:
+        from pagedkv.toolkit.triton_lse_merge import plan_merge_by_lse
+
+        plan_merge_by_lse(partial_out, partial_lse, merge_indptr.contiguous(), output, sinks)()
+        return
+    _merge_by_lse_torch(partial_out, partial_lse, merge_indptr, output, sinks)
+
+
+def _merge_by_lse_torch(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    merge_indptr: torch.Tensor,
+    output: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> None:
+    """The portable path of merge_by_lse (reads merge_indptr on the host)."""
+    rows, heads, _ = output.shape
+    counts = merge_indptr.long().diff()
+    owner = torch.repeat_interleave(torch.arange(rows, device=output.device), counts)
+    lse = partial_lse[: owner.shape[0]]
+    neg_inf = torch.full((rows, heads), float("-inf"), device=output.device)
+    m = neg_inf.scatter_reduce(0, owner[:, None].expand(-1, heads), lse, "amax")
+    if sinks is not None:
+        m = torch.maximum(m, sinks[None, :])
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    weight = torch.exp(lse - m[owner])
+    denom = torch.zeros_like(m).index_add_(0, owner, weight)
+    if sinks is not None:
+        denom += torch.exp(sinks[None, :] - m)
+    parts = weight[..., None] * partial_out[: owner.shape[0]].float()
+    merged = torch.zeros(output.shape, device=output.device).index_add_(0, owner, parts)
+    output.copy_(merged / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None])
+
+
+def attend_sliced(
+    impl: LSEAttention,
+    slices: DecodeSlices,
+    metadata: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Attend ``slices.common`` once through ``impl.attend_with_lse`` (``metadata`` is the
+    backend's metadata of that expanded step) and merge each original row's slices into
+    ``output`` [T, num_heads, head_size_v]; ``sinks`` [num_heads] float32 count once."""
+    expanded_query = query.index_select(0, slices.query_rows)
+    rows = expanded_query.shape[0]
+    partial = output.new_empty(rows, *output.shape[1:])
+    lse = torch.empty(rows, output.shape[1], dtype=torch.float32, device=output.device)
+    partial, lse = impl.attend_with_lse(expanded_query, kv_cache, metadata, partial, lse)
+    merge_by_lse(partial, lse, slices.merge_indptr, output, sinks)
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """One step as the combinator runs it: the backend's metadata of the step itself,
+    or of its expanded form with the slices to merge."""
+
+    common: CommonAttentionMetadata
+    metadata: Any
+    slices: DecodeSlices | None
+
+
+class SplitKVCombinator:
+    """Split-KV at the pagedkv level for any backend whose impl implements
+    ``attend_with_lse``: long decode rows are cut into slices of their page tables
+    (``plan_decode_slices``), the backend runs once over the expanded step, and the
+    slices are merged by log-sum-exp (``merge_by_lse``; sinks are applied there, once).
+
+    ``policy`` decides how many slices (``SplitPolicy.choose`` with one program per
+    request and KV head, and the block size as granule); ``num_splits`` forces a count.
+    Eager steps only: the expanded step's size follows its lengths, so a backend that
+    captures CUDA graphs plans slices inside its own builder with a ``SliceCapacity``.
+    The step's K/V must already be in the cache (the impl's ``write_kv``).
+    """
+
+    def __init__(
+        self,
+        builder: AttentionMetadataBuilder[Any],
+        impl: AttentionImpl[Any],
+        policy: SplitPolicy,
+        *,
+        num_splits: int | None = None,
+    ) -> None:
+        problem = split_problem(impl.spec)
+        if problem is not None:
+            raise UnsupportedError(f"split-KV combinator cannot split this layer: {problem}")
+        if not callable(getattr(impl, "attend_with_lse", None)):
+            raise UnsupportedError(
+                f"split-KV combinator: {type(impl).__name__} has no attend_with_lse (the "
+                "log-sum-exp of each row is what merges the slices)"
+            )
+        self.builder, self.impl, self.policy, self.forced = builder, impl, policy, num_splits
+
+    def build(self, common: CommonAttentionMetadata) -> SplitStep:
+        if self.builder.graph_bounds is not None:
+            raise UnsupportedError(
+                "split-KV combinator: the builder holds a CUDA-graph reservation; the "
+                "combinator's expanded step changes size with the lengths (eager steps only)"
+            )
+        spec = self.impl.spec
+        choice = self.policy.choose(
+            common.num_reqs * spec.num_kv_heads,
+            common.max_query_len,
+            common.max_seq_len,
+            num_sms(common.device),
+            forced=self.forced,
+            granule=spec.block_size,
+        )
+        if choice.num_splits > 1:
+            slices = plan_decode_slices(common, choice.keys_per_split)
+            if slices.num_cut:
+                return SplitStep(common, self.builder.build(slices.common), slices)
+        return SplitStep(common, self.builder.build(common), None)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        step: SplitStep,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` [T, num_heads, head_size] over the cache; returns
+        ``output`` [T, num_heads, head_size_v] (rows past num_actual_tokens: zeros when
+        sliced, else as the backend leaves them)."""
+        self.impl.check_forward_args(query, None, None, step.common.num_tokens, output)
+        self.impl.check_cache(kv_cache, query.device)
+        out = self.impl.new_output(query, output)
+        if step.slices is None:
+            self.impl.attend(query, kv_cache, step.metadata, out)
+        else:
+            sinks = None if self.impl.sinks is None else self.impl.sinks.to(query.device)
+            attend_sliced(self.impl, step.slices, step.metadata, query, kv_cache, out, sinks)  # type: ignore[arg-type]
+        return out

@@ -1,0 +1,1 @@
+"""One module per mistake; see pyproject.toml for the entry points."""

@@ -1,0 +1,3 @@
+"""An entry point that loads but implements no hook."""
+
+VERSION = "1.0"

@@ -1,0 +1,73 @@
+"""`pagedkv bench` on the CPU: the tiny matrix through the contract, checked and reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pagedkv.bench import MATRICES, run_bench, select_workloads
+from pagedkv.bench.workloads import long_tailed_contexts
+from pagedkv.cli import main
+from pagedkv.errors import ConfigError
+
+
+def test_the_standard_matrix_covers_the_serving_shapes():
+    rows = MATRICES["standard"]
+    kinds = {w.kind for w in rows}
+    assert {
+        "decode",
+        "ragged-decode",
+        "spec-decode",
+        "mixed",
+        "prefill",
+        "chunked-prefill",
+    } <= kinds
+    layers = {w.layer for w in rows}
+    assert {lay.num_heads // lay.num_kv_heads for lay in layers} >= {1, 4, 8, 16}
+    assert {lay.head_size for lay in layers} >= {64, 128, 256}
+    assert {lay.block_size for lay in layers} >= {16, 32, 64}
+    assert any(lay.kv_cache_dtype != "auto" for lay in layers)
+    mixed = next(w for w in rows if w.kind == "mixed")
+    assert min(mixed.query_lens) == 1 and max(mixed.query_lens) > 1
+    names = [w.name for w in rows]
+    assert len(names) == len(set(names))
+
+
+def test_ragged_lengths_are_seeded_and_long_tailed():
+    import random
+
+    a = long_tailed_contexts(random.Random(3), 2000, 1024, 32768)
+    assert a == long_tailed_contexts(random.Random(3), 2000, 1024, 32768)
+    assert max(a) > 8 * 1024 and min(a) < 300  # a real tail on both sides
+
+
+def test_tiny_matrix_through_two_backends_checked_against_torch():
+    workloads = select_workloads("tiny")
+    rows, env = run_bench(["torch", "triton"], workloads, device="cpu", baseline=None,
+                          progress=lambda _: None)  # fmt: skip
+    assert env["copy_bandwidth"] > 0 and len(rows) == 2 * len(workloads)
+    for row in rows:
+        assert not row.error, row.error
+        assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
+        assert row.graph_us is None  # no CUDA graphs on a CPU
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main([
+        "bench", "--device", "cpu", "--backends", "torch", "--workloads", "tiny-decode,tiny-spec",
+        "--json", f"{out}.json", "--markdown", f"{out}.md", "--plot", f"{out}.png",
+    ])  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["workload"] for r in data["rows"]] == ["tiny-decode", "tiny-spec"]
+    assert "copy bandwidth" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert "tiny-spec" in capsys.readouterr().out
+
+
+def test_bad_selections_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown matrix 'huge'"):
+        select_workloads("huge")
+    with pytest.raises(ConfigError, match="no workload of 'tiny' matches nope"):
+        select_workloads("tiny", ["nope"])

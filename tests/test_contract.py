@@ -1,0 +1,263 @@
+"""Contract v2 on the CPU: the shared forward and build, the step checks, CUDA-graph
+staging semantics, and a backend written against the first contract still working."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from pagedkv import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    Capabilities,
+    CommonAttentionMetadata,
+    GraphBounds,
+    GraphSupport,
+    MetadataError,
+    UnsupportedError,
+)
+from pagedkv.backends.torch import TorchBackend
+from pagedkv.backends.torch.builder import TorchMetadata
+from pagedkv.conformance import Scenario, run_scenario
+from pagedkv.reference import reference_attention
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, block_size=4)
+
+
+def _step(seq_lens, query_lens, blocks, **kw) -> CommonAttentionMetadata:
+    return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 4, **kw)
+
+
+def _inputs(num_tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, 4, 16, generator=g)
+    k = torch.randn(num_tokens, 2, 16, generator=g)
+    v = torch.randn(num_tokens, 2, 16, generator=g)
+    return q, k, v
+
+
+# -- the step checks every build runs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(block_size=8), "built for blocks of 8 tokens, the layer's spec has block_size 4"),
+        (
+            dict(seq_lens_cpu=torch.tensor([9, 3], dtype=torch.int32)),
+            "seq_lens\\[0\\] = 9 needs 3 blocks of 4 but block_table rows hold 2",
+        ),
+        (
+            dict(query_start_loc_cpu=torch.tensor([0, 3, 2], dtype=torch.int32)),
+            "non-decreasing",
+        ),
+        (
+            dict(seq_lens_cpu=torch.tensor([1, 3], dtype=torch.int32)),
+            "seq_lens\\[0\\] = 1 < query_len 2",
+        ),
+        (
+            dict(slot_mapping=torch.zeros(3, dtype=torch.int64)),
+            "5 scheduled tokens but slot_mapping \\(the token rows\\) has only 3",
+        ),
+        (
+            dict(block_table=torch.zeros(2, 2, dtype=torch.int64)),
+            "block_table: expected a 2-D torch.int32",
+        ),
+    ],
+)
+def test_build_refuses_metadata_that_would_corrupt(change, message):
+    common = _step([6, 3], [2, 3], [[1, 2], [3]])
+    builder = TorchBackend().make_builder(SPEC, "cpu")
+    bad = dataclasses.replace(common, **change)
+    with pytest.raises(MetadataError, match=message):
+        builder.build(bad)
+
+
+def test_strided_metadata_is_made_contiguous_before_the_write():
+    backend = TorchBackend()
+    common = _step([5, 2], [5, 2], [[1, 2], [3]])
+    wide = torch.full((2 * common.num_tokens,), -7, dtype=torch.int64)
+    wide[::2] = common.slot_mapping
+    strided = dataclasses.replace(common, slot_mapping=wide[::2])
+    assert not strided.slot_mapping.is_contiguous()
+    cache = backend.allocate_kv_cache(5, SPEC, "cpu")
+    q, k, v = _inputs(common.num_tokens)
+    backend.make_impl(SPEC).forward(
+        q, k, v, cache, backend.make_builder(SPEC, "cpu").build(strided)
+    )
+    k_view, _ = backend.kv_cache_to_logical(cache, SPEC)
+    slots = common.slot_mapping
+    assert torch.equal(k_view.reshape(-1, 2, 16)[slots], k)
+
+
+def test_debug_switch_validates_block_ids_against_the_pool(monkeypatch):
+    backend = TorchBackend()
+    common = _step([5], [5], [[1, 9]])  # block 9 of a 5-block pool
+    builder, impl = backend.make_builder(SPEC, "cpu"), backend.make_impl(SPEC)
+    cache = backend.allocate_kv_cache(5, SPEC, "cpu")
+    monkeypatch.setenv("PAGEDKV_VALIDATE", "1")
+    with pytest.raises(MetadataError, match=r"block_table\[0, 1\] = 9 .* \[0, 5\)"):
+        impl.forward(*_inputs(5), cache, builder.build(common))
+
+
+# -- the shared forward ---------------------------------------------------------------------
+
+
+def test_forward_checks_the_cache_through_the_layout():
+    backend = TorchBackend()
+    impl = backend.make_impl(SPEC)
+    md = backend.make_builder(SPEC, "cpu").build(_step([3], [3], [[1]]))
+    half = torch.zeros(backend.get_kv_cache_shape(4, 4, 2, 16), dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float32"):
+        impl.forward(*_inputs(3), half, md)
+
+
+def test_parts_must_implement_their_method():
+    class NoAttend(AttentionImpl[Any]):
+        pass
+
+    class NoBuild(AttentionMetadataBuilder[Any]):
+        pass
+
+    with pytest.raises(TypeError, match="must implement attend"):
+        NoAttend(SPEC)
+    with pytest.raises(TypeError, match="must implement build_metadata"):
+        NoBuild(SPEC, "cpu")
+
+
+# -- CUDA-graph staging (the mechanics, runnable on a CPU) ---------------------------------
+
+
+class _GraphTorch(TorchBackend):
+    """The torch kernel over staged metadata: checks the padding semantics of
+    reserve_cuda_graph without a GPU."""
+
+    name = "graph_torch"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, cuda_graph=GraphSupport.MIXED)
+
+
+def test_reserved_builds_reuse_buffers_and_pad_to_the_bounds():
+    backend = _GraphTorch()
+    builder, impl = backend.make_builder(SPEC, "cpu"), backend.make_impl(SPEC)
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=12, max_blocks_per_req=4, max_query_len=5)
+    builder.reserve_cuda_graph(bounds)
+    cache = backend.allocate_kv_cache(16, SPEC, "cpu")
+    eager_cache = cache.clone()
+    eager = TorchBackend().make_builder(SPEC, "cpu")
+    ptrs = None
+    for step, (seqs, qlens, blocks) in enumerate(
+        [([5, 9], [5, 2], [[1, 2], [3, 4, 5]]), ([13, 1, 2], [1, 1, 2], [[6, 7, 8, 9], [10], [11]])]
+    ):
+        common = _step(seqs, qlens, blocks)
+        md: TorchMetadata = builder.build(common)
+        staged = md.common
+        assert staged.num_tokens == 12 and staged.num_reqs == 4
+        assert staged.max_query_len == 5 and staged.max_seq_len == 16
+        assert staged.slot_mapping[common.num_tokens :].eq(-1).all()
+        now = tuple(
+            t.data_ptr()
+            for t in (
+                staged.query_start_loc,
+                staged.seq_lens,
+                staged.block_table,
+                staged.slot_mapping,
+            )
+        )
+        assert ptrs is None or now == ptrs  # the same buffers every step
+        ptrs = now
+        q, k, v = _inputs(12, seed=step)
+        out = impl.forward(q, k, v, cache, md)
+        n = common.num_tokens
+        want = impl.forward(q[:n], k[:n], v[:n], eager_cache, eager.build(common))
+        assert torch.equal(out[:n], want)
+    assert torch.equal(cache, eager_cache)
+
+
+def test_reservation_bounds_are_enforced_and_declared_support_checked():
+    builder = _GraphTorch().make_builder(SPEC, "cpu")
+    builder.reserve_cuda_graph(GraphBounds(max_num_reqs=2, max_num_tokens=4, max_blocks_per_req=2))
+    with pytest.raises(MetadataError, match="max_query_len = 3 exceeds the CUDA-graph reservation"):
+        builder.build(_step([3], [3], [[1]]))
+    with pytest.raises(MetadataError, match="needs 3 blocks .* holds 2 per request"):
+        builder.build(_step([9], [1], [[1, 2, 3]]))
+    with pytest.raises(UnsupportedError, match="declares graph support never"):
+        TorchBackend().make_builder(SPEC, "cpu").reserve_cuda_graph(
+            GraphBounds(max_num_reqs=2, max_num_tokens=2, max_blocks_per_req=2)
+        )
+
+
+# -- a backend written against the first contract -----------------------------------------
+
+
+class _FirstContractBuilder(AttentionMetadataBuilder[Any]):
+    def build(self, common):
+        return common
+
+
+class _FirstContractImpl(AttentionImpl[Any]):
+    """Overrides forward and write_kv, as the first contract required."""
+
+    def write_kv(self, key, value, kv_cache, metadata):
+        slots = metadata.slot_mapping
+        rows = (slots >= 0).nonzero().squeeze(1)
+        flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[3:])
+        b, o = slots[rows] // self.spec.block_size, slots[rows] % self.spec.block_size
+        flat[b, 0, o] = key[rows].to(kv_cache.dtype)
+        flat[b, 1, o] = value[rows].to(kv_cache.dtype)
+
+    def forward(self, query, key, value, kv_cache, metadata, output=None):
+        if key is not None:
+            self.write_kv(key, value, kv_cache, metadata)
+        out = self.new_output(query, output)
+        k = kv_cache[:, 0].flatten(0, 1)
+        v = kv_cache[:, 1].flatten(0, 1)
+        qsl, seq = metadata.query_start_loc_cpu.tolist(), metadata.seq_lens_cpu.tolist()
+        for i, s in enumerate(seq):
+            ids = metadata.block_table[i, : -(-s // self.spec.block_size)].long()
+            slots = (
+                ids[:, None] * self.spec.block_size + torch.arange(self.spec.block_size)
+            ).flatten()[:s]
+            q_len = qsl[i + 1] - qsl[i]
+            o = reference_attention(
+                query[qsl[i] : qsl[i + 1]], [k[slots]], [v[slots]], [q_len], self.spec
+            )
+            out[qsl[i] : qsl[i + 1]] = o.to(out.dtype)
+        return out
+
+
+class FirstContractBackend(AttentionBackend):
+    name = "first_contract"
+    layout = "(num_blocks, 2, block_size, num_kv_heads, head_size)"
+    block_axis = 0
+    capabilities = Capabilities(dtypes=frozenset({torch.float32, torch.float16}))
+
+    def get_kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    def kv_cache_to_logical(self, kv_cache, spec):
+        return kv_cache[:, 0], kv_cache[:, 1]
+
+    def get_builder_cls(self):
+        return _FirstContractBuilder
+
+    def get_impl_cls(self):
+        return _FirstContractImpl
+
+
+def test_a_first_contract_backend_keeps_working():
+    backend = FirstContractBackend()
+    assert backend.layout == "(num_blocks, 2, block_size, num_kv_heads, head_size)"
+    assert backend.block_axis == 0
+    scenario = Scenario(
+        "first-contract", seq_lens=(20, 33, 7), query_lens=(1, 33, 3), dtype=torch.float32
+    )
+    result = run_scenario(backend, scenario, "cpu")
+    assert result.passed, result.report()
+    cache = backend.allocate_kv_cache(4, SPEC, "cpu")
+    cache[1].fill_(3.0)
+    backend.copy_blocks(cache, torch.tensor([1]), torch.tensor([2]))
+    assert cache[2].eq(3.0).all() and cache[3].eq(0).all()

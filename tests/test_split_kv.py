@@ -1,0 +1,345 @@
+"""The split-KV combinator (pagedkv.toolkit.split_kv) on the CPU, with the torch backend:
+slice planning, the log-sum-exp merge (torch path, and the Triton kernel under the
+interpreter and compiled for sm_90), attend_with_lse, and split vs unsplit outputs on
+ragged batches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from pagedkv import AttentionSpec, CommonAttentionMetadata, MetadataError, UnsupportedError
+from pagedkv.backends.torch import TorchBackend
+from pagedkv.conformance import TOLERANCES, Scenario
+from pagedkv.conformance.problem import build_problem, reference_output
+from pagedkv.graph import GraphBounds
+from pagedkv.toolkit.kv_write import write_kv_by_slot
+from pagedkv.toolkit.split_kv import (
+    SliceCapacity,
+    SplitKVCombinator,
+    SplitPolicy,
+    merge_by_lse,
+    plan_decode_slices,
+    split_problem,
+)
+
+# -- planning ----------------------------------------------------------------------------
+
+
+def _step():
+    # request 0: a decode over 40 keys; 1: a 7-token prefill; 2: a decode over 33 keys;
+    # one padding row
+    tables = [list(range(100, 110)), [7, 8], list(range(200, 209))]
+    return CommonAttentionMetadata.from_requests(
+        [40, 7, 33], [1, 7, 1], tables, 4, num_tokens=10, max_blocks_per_req=12
+    )
+
+
+def test_slices_of_long_decodes_only():
+    slices = plan_decode_slices(_step(), 16)
+    common = slices.common
+    assert slices.num_cut == 2 and slices.keys_per_split == 16
+    assert common.seq_lens_cpu.tolist() == [16, 16, 8, 7, 16, 16, 1]
+    assert common.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert common.query_start_loc.tolist() == common.query_start_loc_cpu.tolist()
+    assert common.seq_lens.tolist() == common.seq_lens_cpu.tolist()
+    # each slice copies its request's row; the prefill keeps its rows
+    assert slices.query_rows.tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8]
+    # original row t merges expanded rows [t]:[t + 1]; the padding row merges none
+    assert slices.merge_indptr.tolist() == [0, 3, 4, 5, 6, 7, 8, 9, 10, 13, 13]
+    assert slices.merge_indptr.dtype == torch.int32
+    # slices start on their first page; unused columns hold the null block
+    assert common.block_table.tolist() == [
+        [100, 101, 102, 103],
+        [104, 105, 106, 107],
+        [108, 109, 0, 0],
+        [7, 8, 0, 0],
+        [200, 201, 202, 203],
+        [204, 205, 206, 207],
+        [208, 0, 0, 0],
+    ]
+    assert common.slot_mapping.tolist() == [-1] * 13  # attending it writes nothing
+    assert common.num_actual_tokens == common.num_tokens == 13
+    # a valid step for every backend's build()
+    TorchBackend().make_builder(_spec(block_size=4), "cpu").build(common)
+
+
+def test_nothing_to_cut():
+    slices = plan_decode_slices(_step(), 40)  # 40 keys fit one slice
+    assert slices.num_cut == 0
+    assert slices.common.seq_lens_cpu.tolist() == [40, 7, 33]
+    assert slices.merge_indptr.tolist() == [*range(10), 9]
+
+
+def test_slices_into_fixed_buffers():
+    buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(name, shape, dtype):
+        buffers.setdefault(name, torch.empty(shape, dtype=dtype))
+        return buffers[name]
+
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=10, max_blocks_per_req=12, max_query_len=7)
+    capacity = SliceCapacity.for_bounds(bounds, num_splits=3)
+    assert capacity == SliceCapacity(num_requests=12, num_rows=18, table_width=12)
+    first = plan_decode_slices(_step(), 16, capacity=capacity, buffer=buffer)
+    common = first.common
+    assert common.query_start_loc is buffers["split_kv.query_start_loc"]
+    assert common.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 10, 11, 12, 13] + [13] * 5
+    assert common.seq_lens_cpu.tolist() == [16, 16, 8, 7, 16, 16, 1] + [0] * 5
+    assert common.block_table.shape == (12, 12) and common.slot_mapping.shape == (18,)
+    assert first.query_rows.shape == (18,) and first.merge_indptr.shape == (11,)
+    assert common.num_actual_tokens == 13 and common.num_tokens == 18
+    # a second step lands in the same buffers
+    other = CommonAttentionMetadata.from_requests([9], [1], [[1, 2, 3]], 4, num_tokens=10)
+    second = plan_decode_slices(other, 8, capacity=capacity, buffer=buffer)
+    assert second.common.block_table is first.common.block_table
+    assert second.common.seq_lens_cpu.tolist() == [8, 1] + [0] * 10
+    assert second.common.block_table[:2, :3].tolist() == [[1, 2, 0], [3, 0, 0]]
+    too_many = CommonAttentionMetadata.from_requests([40], [1], [list(range(10))], 4)
+    with pytest.raises(MetadataError, match="5 requests exceed the reserved 4"):
+        plan_decode_slices(too_many, 8, capacity=SliceCapacity(4, 18, 12), buffer=buffer)
+
+
+def test_keys_per_split_must_start_slices_on_pages():
+    with pytest.raises(ValueError, match="multiple of the block size 4"):
+        plan_decode_slices(_step(), 10)
+
+
+# -- the merge ------------------------------------------------------------------------------
+
+
+def _naive_merge(parts, lse, indptr, sinks, rows):
+    out = torch.zeros(rows, *parts.shape[1:], dtype=torch.float64)
+    for t in range(rows):
+        k0, k1 = indptr[t], indptr[t + 1]
+        for h in range(parts.shape[1]):
+            logits = lse[k0:k1, h].double()
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h : h + 1].double()])
+            if k1 == k0 or torch.isneginf(logits).all():
+                continue
+            w = torch.softmax(logits, 0)[: k1 - k0]
+            out[t, h] = (w[:, None] * parts[k0:k1, h].double()).sum(0)
+    return out
+
+
+def _merge_case(with_sinks):
+    gen = torch.Generator().manual_seed(3)
+    # 3 slices, 1, none, 5, 1, 37 (more than the kernel's chunk of 16)
+    indptr = [0, 3, 4, 4, 9, 10, 47]
+    parts = torch.randn(48, 3, 20, generator=gen)  # one trailing padding row
+    lse = torch.randn(48, 3, generator=gen) * 4
+    lse[3, 1] = -math.inf  # a slice without keys
+    lse[9, :] = -math.inf  # a row without keys at all
+    sinks = torch.randn(3, generator=gen) if with_sinks else None
+    return parts, lse, torch.tensor(indptr, dtype=torch.int32), sinks
+
+
+@pytest.mark.parametrize(
+    ("with_sinks", "heads_major"),
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "sinks", "sinks-heads-major-lse"],
+)
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_merge_matches_a_naive_softmax(use_triton, with_sinks, heads_major):
+    # the kernel runs compiled on a GPU, in Triton's interpreter on a CPU
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parts, lse, indptr, sinks = _merge_case(with_sinks)
+    out = torch.full((6, 3, 20), math.nan, device=device)
+    # FA4 returns its LSE as [heads, rows]: the merge takes any strides
+    given = lse.t().contiguous().t() if heads_major else lse
+    merge_by_lse(
+        parts.to(device),
+        given.to(device),
+        indptr.to(device),
+        out,
+        None if sinks is None else sinks.to(device),
+        use_triton=use_triton,
+    )
+    expected = _naive_merge(parts, lse, indptr.tolist(), sinks, 6)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+    assert not out[2].any()  # no partial rows: zeros
+
+
+def test_merge_rejects_bad_shapes():
+    parts, lse, indptr, _ = _merge_case(False)
+    out = torch.empty(6, 3, 20)
+    with pytest.raises(ValueError, match=r"partial_lse: expected float32 \[48, 3\]"):
+        merge_by_lse(parts, lse.half(), indptr, out)
+    with pytest.raises(ValueError, match=r"merge_indptr: expected int32 \[7\]"):
+        merge_by_lse(parts, lse, indptr.long(), out)
+    with pytest.raises(ValueError, match=r"partial_out: expected \[R, 3, 20\]"):
+        merge_by_lse(parts[:, :2], lse, indptr, out)
+    with pytest.raises(ValueError, match=r"sinks: expected float32 \[3\]"):
+        merge_by_lse(parts, lse, indptr, out, torch.zeros(2))
+
+
+def test_merge_kernel_compiles_for_sm90():
+    pytest.importorskip("triton")
+    from pagedkv.toolkit.triton_lse_merge import plan_merge_by_lse
+    from triton_compile import compile_launches
+
+    # the largest head (256) with sinks (the most registers any variant holds), and the
+    # branch without sinks
+    launches, labels = [], []
+    for head_size_v, dtype, sinks in (
+        (256, torch.bfloat16, torch.empty(8)),
+        (128, torch.float16, None),
+    ):
+        out = torch.empty(5, 8, head_size_v, dtype=dtype)
+        parts = torch.empty(9, 8, head_size_v, dtype=dtype)
+        indptr = torch.zeros(6, dtype=torch.int32)
+        launches.append(plan_merge_by_lse(parts, torch.empty(9, 8), indptr, out, sinks))
+        labels.append(f"merge-d{head_size_v}-{'sinks' if sinks is not None else 'plain'}")
+    results = compile_launches(launches, labels=labels)
+    assert all(r.ok and not r.spill_bytes for r in results), [str(r) for r in results]
+
+
+# -- end to end with the torch backend ---------------------------------------------------
+
+
+def _spec(**kw):
+    base = dict(num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, block_size=16)
+    return AttentionSpec(**{**base, **kw})
+
+
+# mixed decode and prefill rows, long and short decodes, an empty request, padding rows
+RAGGED = dict(seq_lens=(300, 17, 520, 40, 1, 96, 200), query_lens=(1, 17, 1, 8, 1, 0, 3))
+CASES = [
+    Scenario("ragged", **RAGGED, num_padding_tokens=2),
+    Scenario("sinks", **RAGGED, use_sinks=True),
+    Scenario("softcap-gqa4", **RAGGED, num_heads=8, num_kv_heads=2, logits_soft_cap=3.0),
+    Scenario("fp8-e4m3", **RAGGED, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0),
+    Scenario("non-causal-mqa-block5", seq_lens=(260, 33, 101), query_lens=(1, 33, 1),
+             causal=False, num_heads=3, num_kv_heads=1, block_size=5),
+    Scenario("sinks-softcap-fp8-e5m2", **RAGGED, use_sinks=True, logits_soft_cap=4.0,
+             kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=1.5),
+]  # fmt: skip
+
+
+def _torch_setup(scenario):
+    problem = build_problem(scenario.replace(dtype=torch.float32, head_size=16), "cpu")
+    backend = TorchBackend()
+    spec = problem.spec
+    cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
+    everything = CommonAttentionMetadata.from_requests(
+        problem.scenario.seq_lens, problem.scenario.seq_lens, problem.block_ids, spec.block_size
+    )
+    k_view, v_view = backend.kv_cache_to_logical(cache, spec)
+    write_kv_by_slot(
+        torch.cat(problem.keys),
+        torch.cat(problem.values),
+        k_view,
+        v_view,
+        everything.slot_mapping,
+        spec.k_scale,
+        spec.v_scale,
+    )
+    builder = backend.make_builder(spec, "cpu")
+    impl = backend.make_impl(spec, sinks=problem.sinks)
+    return problem, cache, builder, impl
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+@pytest.mark.parametrize("scenario", CASES, ids=lambda s: s.name)
+def test_split_equals_unsplit(scenario, num_splits):
+    problem, cache, builder, impl = _torch_setup(scenario)
+    unsplit = impl.forward(problem.query, None, None, cache, builder.build(problem.common))
+    combinator = SplitKVCombinator(builder, impl, SplitPolicy(), num_splits=num_splits)
+    step = combinator.build(problem.common)
+    assert step.slices is not None and step.slices.num_cut >= 2
+    split = combinator.attend(problem.query, cache, step)
+    n = problem.common.num_actual_tokens
+    torch.testing.assert_close(split[:n], unsplit[:n], rtol=1e-5, atol=1e-5)
+    assert not split[n:].any()
+    expected = reference_output(problem)
+    tol = TOLERANCES[torch.float32]
+    err = (split[:n].double() - expected).abs()
+    assert bool((err <= tol.atol + tol.rtol * expected.abs()).all()), float(err.max())
+
+
+def test_the_policy_decides_the_slices():
+    problem, cache, builder, impl = _torch_setup(CASES[0])
+    # 7 requests x 2 KV heads = 14 programs: at least 2 per SM of the 4-SM CPU stand-in
+    assert SplitKVCombinator(builder, impl, SplitPolicy()).build(problem.common).slices is None
+    # the default gate also keeps steps with a 17-token query whole
+    eager = SplitPolicy(max_query_len=None, split_below_programs_per_sm=8.0,
+                        target_programs_per_sm=16.0, min_keys_per_split=64)  # fmt: skip
+    step = SplitKVCombinator(builder, impl, eager).build(problem.common)
+    # by occupancy 16 * 4 // 14 = 4 splits of 520 keys: 144 keys (a multiple of 16) each
+    assert step.slices is not None and step.slices.keys_per_split == 144
+    # the decodes over 300 and 520 keys; the 200-key request has 3 query rows
+    assert step.slices.num_cut == 2
+    n = problem.common.num_actual_tokens
+    torch.testing.assert_close(
+        SplitKVCombinator(builder, impl, eager).attend(problem.query, cache, step)[:n],
+        impl.forward(problem.query, None, None, cache, builder.build(problem.common))[:n],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_attend_with_lse_returns_the_log_sum_exp():
+    problem, cache, builder, impl = _torch_setup(CASES[1])  # with sinks: left out here
+    md = builder.build(problem.common)
+    n, rows = problem.common.num_actual_tokens, problem.common.num_tokens
+    spec = problem.spec
+    group = spec.num_queries_per_kv
+    out = torch.empty(rows, spec.num_heads, 16)
+    lse = torch.empty(rows, spec.num_heads)
+    got_out, got_lse = impl.attend_with_lse(problem.query, cache, md, out, lse)
+    assert got_out is out and got_lse is lse
+    qsl = problem.common.query_start_loc_cpu.tolist()
+    for i, (k, v) in enumerate(zip(problem.keys, problem.values, strict=True)):
+        q = problem.query[qsl[i] : qsl[i + 1]].double()
+        seq, q_len = k.shape[0], q.shape[0]
+        kk = k.double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * spec.scale
+        pos = torch.arange(seq - q_len, seq)[:, None]
+        scores = scores.masked_fill(torch.arange(seq)[None, :] > pos, -math.inf)
+        want_lse = torch.logsumexp(scores, -1).t()
+        vv = v.double().repeat_interleave(group, 1)
+        want_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vv)
+        torch.testing.assert_close(
+            lse[qsl[i] : qsl[i + 1]].double(), want_lse, rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            out[qsl[i] : qsl[i + 1]].double(), want_out, rtol=1e-5, atol=1e-5
+        )
+    assert torch.isneginf(lse[n:]).all()
+
+
+def test_layers_it_cannot_split_are_refused():
+    backend = TorchBackend()
+    for spec, why in (
+        (_spec(sliding_window=64), "sliding window: each slice is attended as a request"),
+        (_spec(alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), "ALiBi: the bias slope"),
+    ):
+        assert split_problem(spec).startswith(why.split(":")[0])
+        with pytest.raises(UnsupportedError, match=f"cannot split this layer: {why}"):
+            SplitKVCombinator(
+                backend.make_builder(spec, "cpu"), backend.make_impl(spec), SplitPolicy()
+            )
+    assert split_problem(_spec(logits_soft_cap=5.0, use_sinks=True)) is None
+
+    class NoLSE:
+        spec = _spec()
+
+    with pytest.raises(UnsupportedError, match="NoLSE has no attend_with_lse"):
+        SplitKVCombinator(backend.make_builder(_spec(), "cpu"), NoLSE(), SplitPolicy())  # type: ignore[arg-type]
+
+
+def test_graph_reservations_are_refused():
+    spec = _spec()
+
+    class Reserved:
+        graph_bounds = GraphBounds(max_num_reqs=2, max_num_tokens=2, max_blocks_per_req=2)
+
+    backend = TorchBackend()
+    combinator = SplitKVCombinator(Reserved(), backend.make_impl(spec), SplitPolicy())  # type: ignore[arg-type]
+    step = CommonAttentionMetadata.from_requests([5], [1], [[1]], 16)
+    with pytest.raises(UnsupportedError, match="eager steps only"):
+        combinator.build(step)
+    assert np.array_equal(step.seq_lens_cpu.numpy(), [5])
