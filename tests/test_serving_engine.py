@@ -130,6 +130,70 @@ def test_abort_at_every_point_frees_everything():
         engine.abort("late")
 
 
+def test_a_step_whose_forward_raised_can_be_run_again():
+    """A forward that dies after writing junk K/V into the step's slots: none of its
+    blocks became prefix hits (mark_computed never ran), and stepping again recomputes
+    the same tokens over the junk, so every output equals an undisturbed run."""
+    _, expected, _ = _run_workload(_tight_config())
+    model = TinyDecoder()
+    forward = model.forward
+    calls = 0
+
+    def dies_on_some_steps(input_ids, positions, logits_indices, attention):
+        nonlocal calls
+        calls += 1
+        if calls in (1, 3, 6):  # a prefill, a step with hits and chunks, a decode step
+            forward(input_ids.flip(0), positions, logits_indices, attention)  # wrong K/V
+            raise RuntimeError("the device went away")
+        return forward(input_ids, positions, logits_indices, attention)
+
+    model.forward = dies_on_some_steps
+    engine = Engine(model, _tight_config())
+    greedy = SamplingParams(max_tokens=8, return_logits=True)
+    twins = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3, return_logits=True)
+    for i, (prompt, params) in enumerate(zip(_prompts(), [greedy, greedy, twins, greedy])):
+        engine.add_request(f"prompt{i}", prompt, params)
+    outputs, failures = {}, 0
+    while engine.has_unfinished():
+        try:
+            outputs.update((o.request_id, o) for o in engine.step())
+        except RuntimeError:
+            failures += 1
+    assert failures == 3 and engine.stats.prefix_hit_rate > 0
+    for i, want in enumerate(expected):
+        got = outputs[f"prompt{i}"]
+        assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+        for a, b in zip(got.samples, want.samples, strict=True):
+            for x, y in zip(a.logits, b.logits, strict=True):
+                torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+def test_abort_after_a_failed_forward_leaves_no_junk_in_the_prefix_cache():
+    model = TinyDecoder()
+    forward = model.forward
+
+    def writes_junk_then_dies(input_ids, positions, logits_indices, attention):
+        forward(input_ids.flip(0), positions, logits_indices, attention)
+        raise RuntimeError("the device went away")
+
+    model.forward = writes_junk_then_dies
+    engine = Engine(model, _tight_config())
+    prompt = _prompts()[0]  # two full blocks of shared prefix, then 5 tokens
+    engine.add_request("a", prompt)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.abort("a")
+    model.forward = forward
+    late = [*prompt[:32], 1, 2, 3]
+    engine.add_request("b", late, SamplingParams(max_tokens=4, return_logits=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (out,) = outputs
+    assert engine.manager.prefix_cache_stats.num_hit_tokens == 0  # the junk is no hit
+    _check_against_dense(model, late, out.samples[0])
+
+
 def test_abort_leaves_the_others_unchanged():
     alone = Engine(TinyDecoder(), _tight_config()).generate([_prompts()[0]])[0]
     engine = Engine(TinyDecoder(), _tight_config())

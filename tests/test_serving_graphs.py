@@ -3,60 +3,47 @@ replays equal to eager steps."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pagedkv
 import pytest
 import torch
-from pagedkv.serving import Engine, EngineConfig, SamplingParams, supports_decode_graphs
-from pagedkv.serving.graphs import reserve
+from pagedkv.serving import (
+    Engine,
+    EngineConfig,
+    EngineConfigError,
+    SamplingParams,
+    supports_decode_graphs,
+)
+from pagedkv.serving.graphs import decode_bounds
 from serving_model import TinyDecoder
 
 
-class _Builder:
-    def reserve_cuda_graph(self, *args, **kwargs):
-        self.called = (args, kwargs)
+def test_which_backends_capture_decode():
+    """From the declared GraphSupport: PURE_DECODE and MIXED capture decode steps."""
+    expected = {"torch": False, "pallas": False, "mla": True, "flashinfer": True}
+    for name, capture in expected.items():
+        assert supports_decode_graphs(pagedkv.get_backend(name)) is capture, name
 
 
-def test_reserve_passes_graph_bounds_when_the_contract_has_them(monkeypatch):
-    class Bounds:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    monkeypatch.setattr(pagedkv, "GraphBounds", Bounds, raising=False)
-    builder = _Builder()
-    reserve(builder, 8, 32)
-    (bounds,), _ = builder.called
-    assert bounds.kwargs == dict(
+def test_decode_bounds_reserve_one_token_per_sequence():
+    bounds = decode_bounds(8, 32)
+    assert bounds == pagedkv.GraphBounds(
         max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=32, max_query_len=1
     )
 
 
-def test_reserve_without_graph_bounds_uses_the_keyword_form(monkeypatch):
-    monkeypatch.setattr(pagedkv, "GraphBounds", None, raising=False)
-    builder = _Builder()
-    reserve(builder, 4, 16)
-    assert builder.called == ((4, 4, 16), {"max_query_len": 1})
-
-
-def test_which_backends_capture_decode(monkeypatch):
-    monkeypatch.setattr(pagedkv, "GraphSupport", None, raising=False)
-    assert not supports_decode_graphs(pagedkv.get_backend("torch"))
-    assert supports_decode_graphs(pagedkv.get_backend("triton"))
-
-    class Support:
-        NEVER, PURE_DECODE = "never", "pure_decode"
-
-    monkeypatch.setattr(pagedkv, "GraphSupport", Support, raising=False)
-    for level, expected in (("never", False), ("pure_decode", True)):
-        backend = SimpleNamespace(capabilities=SimpleNamespace(cuda_graph=level))
-        assert supports_decode_graphs(backend) is expected
+def test_a_backend_without_graphs_is_refused_when_graphs_are_required():
+    config = EngineConfig(backend="torch", cuda_graph=True, max_model_len=64, max_num_seqs=2)
+    with pytest.raises(EngineConfigError, match="has no decode CUDA-graph support"):
+        Engine(TinyDecoder(head_size=32), config)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
 def test_graph_replays_equal_eager_steps(backend):
+    available, why = pagedkv.get_backend(backend).is_available()
+    if not available:
+        pytest.skip(f"{backend}: {why}")
     model = TinyDecoder(head_size=32).cuda()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 17, 30, 9, 40)]

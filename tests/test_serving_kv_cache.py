@@ -6,10 +6,9 @@ import pagedkv
 import pytest
 import torch
 from pagedkv.errors import UnsupportedError
-from pagedkv.kv import BlockCopy, KVCacheManager
+from pagedkv.kv import BlockCopy
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.serving import AttentionLayer, EngineConfigError, ModelKVCache
-from pagedkv.serving.block_order import shuffle_free_blocks
 
 
 def _spec(**changes: object) -> pagedkv.AttentionSpec:
@@ -63,17 +62,3 @@ def test_a_backend_object_must_run_every_layer():
         ModelKVCache(
             [AttentionLayer(_spec()), AttentionLayer(_spec(block_size=32))], 9, "torch", "cpu"
         )
-
-
-def test_shuffled_free_blocks_are_a_seeded_permutation():
-    def order(seed: int) -> list[int]:
-        manager = KVCacheManager(33, 16, 512)
-        shuffle_free_blocks(manager, seed)
-        return [b.block_id for b in manager.block_pool.get_new_blocks(32)]
-
-    assert sorted(order(1)) == list(range(1, 33))
-    assert order(1) == order(1) and order(1) != order(2) and order(1) != list(range(1, 33))
-    manager = KVCacheManager(33, 16, 512)
-    manager.block_pool.get_new_blocks(1)
-    with pytest.raises(EngineConfigError, match="must be idle"):
-        shuffle_free_blocks(manager, 0)

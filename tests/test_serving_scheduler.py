@@ -17,7 +17,12 @@ def _scheduler(**changes: object) -> Scheduler:
     )
     values.update(changes)
     config = EngineConfig(**values)  # type: ignore[arg-type]
-    manager = KVCacheManager(config.resolved_num_blocks, config.block_size, config.max_model_len)
+    manager = KVCacheManager(
+        config.resolved_num_blocks,
+        config.block_size,
+        config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
     return Scheduler(config, manager, torch.device("cpu"))
 
 
@@ -81,6 +86,31 @@ def test_admission_uses_prefix_hits():
     assert list(b.block_ids[:3]) == a_blocks[:3]
 
 
+def test_a_prefix_computed_in_this_step_is_waited_for_not_computed_twice():
+    s = _scheduler(max_num_batched_tokens=64)
+    prefix = list(range(200, 212))  # three full blocks of 4
+    s.add_request("a", [*prefix, 1, 2], SamplingParams(max_tokens=4))
+    s.add_request("b", [*prefix, 3], SamplingParams(max_tokens=4))
+    s.add_request("c", list(range(300, 305)), SamplingParams(max_tokens=4))
+    out, _ = _step(s)
+    # b would compute a's blocks again: it waits; c, behind it, goes ahead
+    assert [x.seq.group_id for x in out.scheduled] == ["a", "c"]
+    assert s.waiting[0].group_id == "b" and s.stats.num_prefix_waits == 1
+    out, _ = _step(s)
+    b = next(x for x in out.scheduled if x.seq.group_id == "b")
+    assert (b.num_computed_tokens, b.num_new_tokens) == (12, 1)
+    assert s.manager.prefix_cache_stats.num_hit_tokens == 12
+
+
+def test_without_prefix_caching_nothing_waits():
+    s = _scheduler(max_num_batched_tokens=64, enable_prefix_caching=False)
+    prefix = list(range(200, 212))
+    s.add_request("a", [*prefix, 1, 2], SamplingParams(max_tokens=4))
+    s.add_request("b", [*prefix, 3], SamplingParams(max_tokens=4))
+    out, _ = _step(s)
+    assert [x.seq.group_id for x in out.scheduled] == ["a", "b"]
+
+
 def test_preemption_recomputes_the_newest():
     s = _scheduler(num_blocks=6)  # 5 usable blocks of 4 tokens
     s.add_request("old", list(range(8)), SamplingParams(max_tokens=4))
@@ -102,20 +132,57 @@ def test_preemption_recomputes_the_newest():
     assert s.stats.num_preemptions >= 1
 
 
-def test_fork_shares_blocks_and_copies_the_written_one():
+def test_fork_shares_full_blocks_and_copies_the_partly_filled_one():
     s = _scheduler()
     s.add_request("twins", list(range(6)), SamplingParams(n=3, max_tokens=4, temperature=1))
     out, _ = _step(s)
     seqs = s.groups["twins"]
     assert len(seqs) == 3 and s.stats.num_forks == 2
     ids = [s.manager.get_block_ids(q.seq_id) for q in seqs]
-    assert ids[0] == ids[1] == ids[2]
+    assert ids[0][0] == ids[1][0] == ids[2][0]  # the full block is shared
+    assert len({ids[0][1], ids[1][1], ids[2][1]}) == 3  # the partly filled one is copied
     out, _ = _step(s)
-    # all three write into the shared, partly filled block: two get copies
-    assert len(out.copies) == 2
-    assert {c.src for c in out.copies} == {ids[0][1]}
+    # the copies reach the worker with the next step, before any K/V is written
+    assert sorted((c.src, c.dst) for c in out.copies) == sorted(
+        (ids[0][1], ids[i][1]) for i in (1, 2)
+    )
     children = [x for x in out.scheduled if x.seq.index > 0]
-    assert all(len(x.block_ids) == 2 for x in children)  # their first step: every block
+    assert [x.block_ids for x in children] == [tuple(ids[1]), tuple(ids[2])]  # first step: all
+    out, _ = _step(s)
+    assert out.copies == []
+
+
+def test_a_fork_gets_its_blocks_before_the_prompt_runs():
+    # 4 usable blocks: a 6-token prompt takes 2, its two forks one copy each
+    s = _scheduler(num_blocks=5)
+    s.add_request("twins", list(range(6)), SamplingParams(n=3, max_tokens=2, temperature=1))
+    s.add_request("other", list(range(40, 43)), SamplingParams(max_tokens=2))
+    out, _ = _step(s)
+    # the other request would take a block the forks need: it waits
+    assert [x.seq.group_id for x in out.scheduled] == ["twins"]
+    assert len(s.groups["twins"]) == 3 and s.manager.get_num_free_blocks() == 0
+    while s.has_unfinished():
+        _step(s)
+    assert s.is_finished("other") and s.manager.get_num_free_blocks() == 4
+
+
+def test_a_fork_that_can_never_fit_is_not_scheduled():
+    s = _scheduler(num_blocks=4)  # 3 usable: the prompt's 2 blocks and one copy, not two
+    s.add_request("twins", list(range(6)), SamplingParams(n=3, max_tokens=2, temperature=1))
+    out, _ = _step(s)
+    assert out.scheduled == [] and s.manager.get_num_free_blocks() == 3
+    assert s.waiting[0].group_id == "twins"
+
+
+def test_aborting_a_fork_before_its_first_step_drops_its_copy():
+    s = _scheduler()
+    s.add_request("twins", list(range(6)), SamplingParams(n=2, max_tokens=4, temperature=1))
+    _step(s)
+    child = s.groups["twins"][1]
+    s.abort("twins")
+    out = s.schedule()
+    assert out.copies == [] and child.seq_id in out.removed_seq_ids
+    assert s.manager.get_num_free_blocks() == 31
 
 
 def test_rows_for_all_samples_are_reserved_at_admission():

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pagedkv.errors import PagedKVError
+from pagedkv.cli.args import (
+    backend_config,
+    device,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
+from pagedkv.errors import PagedKVError, UsageError
 
 DEFAULT_MODEL = "tiny-llama"
 SYSTEM_PROMPT = "You are a paged KV cache. Blocks are pages, block tables are page tables. "
@@ -26,38 +34,6 @@ DEFAULT_PROMPTS = (
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROGRESS_EVERY_S = 2.0
-
-
-def _int_at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {low}, got {text!r}"
-            ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_in(low: float, high: float, *, low_open: bool = False) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        below = value <= low if low_open else value < low
-        if below or value > high or value != value:
-            bracket = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(
-                f"expected a number in {bracket}{low:g}, {high:g}], got {text}"
-            )
-        return value
-
-    return parse
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -87,50 +63,53 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--list-models", action="store_true", help="List the built-in models.")
     parser.add_argument(
         "--backend",
+        type=backend_config,
         default=None,
         help="Backend config string, e.g. 'triton,torch' (default: $PAGEDKV_BACKEND, else "
         "torch on a CPU and auto on a GPU).",
     )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present).")
+    parser.add_argument(
+        "--device", type=device, default=None, help="cpu or cuda (default: cuda when present)."
+    )
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), help="Model dtype (default: float32 on CPU, else bf16)."
     )
     parser.add_argument(
         "--seed",
-        type=_int_at_least(0),
+        type=non_negative_int,
         default=0,
         help="Sampling seed; also the random weights' seed.",
     )
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--n", type=_int_at_least(1), default=1, help="Samples per prompt.")
+    sampling.add_argument("--n", type=positive_int, default=1, help="Samples per prompt.")
     sampling.add_argument(
-        "--max-tokens", type=_int_at_least(1), default=24, help="Tokens per sample (default 24)."
+        "--max-tokens", type=positive_int, default=24, help="Tokens per sample (default 24)."
     )
     sampling.add_argument(
         "--temperature",
-        type=_float_in(0.0, 100.0),
+        type=non_negative_float,
         default=0.0,
         help="0 = greedy (default).",
     )
     sampling.add_argument(
-        "--top-k", type=_int_at_least(0), default=0, help="Keep the k likeliest tokens (0 = all)."
+        "--top-k", type=non_negative_int, default=0, help="Keep the k likeliest tokens (0 = all)."
     )
     sampling.add_argument(
         "--top-p",
-        type=_float_in(0.0, 1.0, low_open=True),
+        type=fraction,
         default=1.0,
         help="Keep the likeliest tokens up to this probability mass (1 = all).",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--block-size", type=_int_at_least(1), default=16)
+    engine.add_argument("--block-size", type=positive_int, default=16)
     engine.add_argument(
-        "--num-blocks", type=_int_at_least(2), default=None, help="KV blocks per layer."
+        "--num-blocks", type=positive_int, default=None, help="KV blocks per layer."
     )
-    engine.add_argument("--max-model-len", type=_int_at_least(2), default=512)
-    engine.add_argument("--max-num-seqs", type=_int_at_least(1), default=32)
+    engine.add_argument("--max-model-len", type=positive_int, default=512)
+    engine.add_argument("--max-num-seqs", type=positive_int, default=32)
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=_int_at_least(1),
+        type=positive_int,
         default=256,
         help="Token budget of one step (longer prompts are chunked).",
     )
@@ -151,22 +130,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         setup = _setup(args)
-    except PagedKVError as exc:
-        print(f"pagedkv: error: {exc}", file=sys.stderr)
-        return 2
+    except PagedKVError as exc:  # a model, file, prompt or backend that cannot be used
+        raise UsageError(str(exc)) from None
     return _generate(args, *setup)
 
 
 def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
+    from pagedkv.config import CONFIG_ENV
     from pagedkv.models import ByteTokenizer, builtin_names, load_model, load_tokenizer
-    from pagedkv.selection import CONFIG_ENV
-    from pagedkv.serving import Engine, EngineConfig, RequestError, SamplingParams
+    from pagedkv.serving import Engine, EngineConfig, SamplingParams
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device_type = torch.device(device).type
-    except RuntimeError:
-        raise RequestError(f"--device {device!r}: not a torch device") from None
+    device_type = torch.device(device).type
     dtype = (
         DTYPES[args.dtype]
         if args.dtype
@@ -177,7 +152,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
         try:
             lines = Path(args.prompts_file).read_text().splitlines()
         except OSError as exc:
-            raise RequestError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
+            raise UsageError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
         texts += [line for line in lines if line.strip()]
     if not texts:
         texts = list(DEFAULT_PROMPTS)
@@ -224,12 +199,10 @@ def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def _token_ids(text: str) -> list[int]:
-    from pagedkv.serving import RequestError
-
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise RequestError(f"--token-ids: {text!r} is not a list of integers") from None
+        raise UsageError(f"--token-ids: {text!r} is not a list of integers") from None
 
 
 def _generate(

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 from pagedkv.kv import KVCacheManager
-from pagedkv.serving.block_order import shuffle_free_blocks
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import RequestError
 from pagedkv.serving.model import PagedModel
@@ -65,7 +64,7 @@ class Engine:
             hash_seed=config.hash_seed,
         )
         if config.block_order_seed is not None:
-            shuffle_free_blocks(self.manager, config.block_order_seed)
+            self.manager.shuffle_free_blocks(config.block_order_seed)
         self.scheduler = Scheduler(config, self.manager, self.runner.device)
         self._step_seconds = 0.0
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pagedkv
 import torch
 from pagedkv.backend import AttentionBackend, AttentionMetadataBuilder
-from pagedkv.features import Feature
+from pagedkv.graph import GraphBounds
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.serving.errors import CudaGraphError
 from pagedkv.serving.inputs import StepInputs
@@ -27,31 +26,19 @@ if TYPE_CHECKING:
 
 
 def supports_decode_graphs(backend: AttentionBackend) -> bool:
-    """The backend's metadata can be captured for pure-decode steps."""
-    graph_support = getattr(pagedkv, "GraphSupport", None)
-    capabilities = backend.capabilities
-    if graph_support is not None and hasattr(capabilities, "cuda_graph"):
-        return capabilities.cuda_graph != graph_support.NEVER
-    # before the contract's GraphSupport: backends whose builder reserves graph buffers
-    return Feature.CUDA_GRAPH in capabilities.features and hasattr(
-        backend.get_builder_cls(), "reserve_cuda_graph"
+    """The backend's forward can be captured for pure-decode steps (its declared
+    ``GraphSupport`` is PURE_DECODE or MIXED)."""
+    return backend.capabilities.graph_support.allows(max_query_len=1)
+
+
+def decode_bounds(batch_size: int, max_blocks: int) -> GraphBounds:
+    """The reservation of a decode graph: ``batch_size`` sequences of one token each."""
+    return GraphBounds(
+        max_num_reqs=batch_size,
+        max_num_tokens=batch_size,
+        max_blocks_per_req=max_blocks,
+        max_query_len=1,
     )
-
-
-def reserve(builder: AttentionMetadataBuilder[Any], batch_size: int, max_blocks: int) -> None:
-    """Reserve capture-safe buffers for pure-decode steps of up to ``batch_size``."""
-    bounds_cls = getattr(pagedkv, "GraphBounds", None)
-    if bounds_cls is not None:
-        builder.reserve_cuda_graph(  # type: ignore[attr-defined]
-            bounds_cls(
-                max_num_reqs=batch_size,
-                max_num_tokens=batch_size,
-                max_blocks_per_req=max_blocks,
-                max_query_len=1,
-            )
-        )
-    else:  # before the contract's GraphBounds: the keyword form of the Triton builder
-        builder.reserve_cuda_graph(batch_size, batch_size, max_blocks, max_query_len=1)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -94,7 +81,7 @@ class DecodeGraphs:
         kv, device = self.kv, self.kv.device
         builders = kv.make_builders()
         for builder in builders:
-            reserve(builder, size, self.max_blocks)
+            builder.reserve_cuda_graph(decode_bounds(size, self.max_blocks))
         # a dummy step: every sequence one token, in the null block
         common = CommonAttentionMetadata.from_requests(
             [1] * size,

@@ -1,7 +1,7 @@
 """ModelRunner: one scheduled step through the model, eager or as a CUDA-graph replay.
 
 Worker side of a step, in order: drop the block-table rows of sequences that left,
-apply copy-on-write copies to every layer (before any K/V is written), build the
+apply the forks' copies to every layer (before any K/V is written), build the
 step's metadata once per layer group, run the model, return the sampled rows' logits.
 """
 
@@ -32,6 +32,7 @@ class ModelRunner:
         self.assembler = StepAssembler(
             config.block_size, config.max_num_seqs, config.max_model_len, self.device
         )
+        self.resident: set[str] = set()  # sequences holding a block-table row
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             self.graphs = DecodeGraphs(
@@ -57,15 +58,16 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [S, vocab] of the sampled sequences, batch order."""
         for seq_id in output.removed_seq_ids:
-            self.assembler.remove_request(seq_id)
-        if output.copies:
-            self.kv.copy_blocks(output.copies)
-            self.assembler.apply_copies(output.copies)
+            if seq_id in self.resident:  # a sequence may leave before its first step
+                self.resident.remove(seq_id)
+                self.assembler.remove_request(seq_id)
+        self.kv.copy_blocks(output.copies)
         graph = None
         if self.graphs is not None and output.is_pure_decode:
             graph = self.graphs.bucket(len(output.scheduled))
         num_tokens = graph.batch_size if graph is not None else None
         common = self.assembler.build(output.kv_requests(), num_tokens)
+        self.resident.update(s.seq.seq_id for s in output.scheduled)
         inputs = build_step_inputs(output.scheduled, self.device, num_tokens)
         with torch.inference_mode():
             if graph is not None:

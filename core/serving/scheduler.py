@@ -5,8 +5,13 @@ in progress, oldest first), then waiting ones in arrival order with prefix-cache
 chunking prefills to the budget. When ``allocate_slots`` has no blocks, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front
 of the queue, to be recomputed from its tokens (its full blocks usually come back as
-prefix hits). ``n > 1`` samples fork from sample 0 once its prompt is computed and
-share its blocks; the first of them to write into a shared block gets a copy.
+prefix hits). ``n > 1`` samples fork from sample 0 once its prompt is computed
+(``KVCacheManager.fork``): they share its full blocks and each gets a copy of a
+partly filled last block, applied to every layer before the next step.
+
+Each step follows the KV manager's life cycle: ``allocate_slots`` and
+``take_new_block_ids`` here, the forward in the runner, ``mark_computed`` in
+``update`` once the step's tokens are in the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from pagedkv.intmath import cdiv
-from pagedkv.kv import BlockCopy, KVCacheBlock, KVCacheManager, Request, ScheduledRequest
+from pagedkv.kv import BlockCopy, BlockHash, KVCacheManager, Request, ScheduledRequest
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import RequestError
 from pagedkv.serving.params import SamplingParams
@@ -29,8 +34,8 @@ from pagedkv.serving.sequence import FinishReason, SeqStatus, Sequence, make_gen
 class ScheduledSeq:
     """One sequence's share of a step.
 
-    block_ids: all of its blocks on its first step after admission, afterwards the
-    blocks appended this step (the StepAssembler's two ways of being called).
+    block_ids: ``KVCacheManager.take_new_block_ids`` after this step's allocation
+    (every block the first time the runner sees the sequence, then the new ones).
     samples: this chunk reaches the end of its tokens, so its last row is sampled.
     """
 
@@ -46,8 +51,8 @@ class SchedulerOutput:
     """One step: the batch (decodes first), rows to drop, copies to apply first."""
 
     scheduled: list[ScheduledSeq]
-    removed_seq_ids: list[str]  # block-table rows to drop before this step
-    copies: list[BlockCopy]  # copy-on-write, applied to every layer before any K/V write
+    removed_seq_ids: list[str]  # sequences that left since the last step (their rows go)
+    copies: list[BlockCopy]  # forks' copy-on-write, applied to every layer before any K/V write
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -79,6 +84,7 @@ class SchedulerStats:
     num_forks: int = 0
     num_block_copies: int = 0
     num_partial_prefills: int = 0  # prefill chunks that stopped before the prompt's end
+    num_prefix_waits: int = 0  # admissions put off a step for a prefix computed in it
     max_blocks_in_use: int = 0
 
 
@@ -95,6 +101,7 @@ class Scheduler:
         self.generators: dict[str, list[torch.Generator | None]] = {}
         self.stats = SchedulerStats()
         self._removed: list[str] = []
+        self._copies: list[BlockCopy] = []  # forks' copies, for the next step
         self._next_seq = 0
 
     # -- requests ---------------------------------------------------------------------
@@ -179,30 +186,29 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        fork_blocks = 0  # blocks this step's forks will take in update()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
-            new_blocks = self.manager.allocate_slots(seq.request, num_new)
-            while new_blocks is None:
+            needs = self._fork_blocks(seq, num_new)
+            while not self._fits(seq, num_new, fork_blocks + needs):
                 victim = self.running[-1]  # the newest
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-                new_blocks = self.manager.allocate_slots(seq.request, num_new)
-            if new_blocks is None:
+            if seq.status is not SeqStatus.RUNNING:
                 break  # seq itself was preempted, and everything after it before
-            scheduled.append(
-                self._schedule_seq(seq, seq.request.num_computed_tokens, num_new, new_blocks)
-            )
+            scheduled.append(self._schedule_seq(seq, num_new))
+            fork_blocks += needs
             budget -= num_new
             i += 1
         if not preempted:  # memory is short when something was preempted: admit nothing
-            budget = self._admit(budget, scheduled)
+            budget = self._admit(budget, scheduled, fork_blocks)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decodes first, stable otherwise
         removed, self._removed = self._removed, []
-        copies = self.manager.take_copies()
+        copies, self._copies = self._copies, []
         st = self.stats
         st.num_steps += 1
         st.num_scheduled_tokens += sum(s.num_new_tokens for s in scheduled)
@@ -212,42 +218,96 @@ class Scheduler:
         st.max_blocks_in_use = max(st.max_blocks_in_use, in_use)
         return SchedulerOutput(scheduled, removed, copies, preempted)
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
-        """Waiting sequences in order while the budget, rows and blocks allow."""
+    def _fits(self, seq: Sequence, num_new: int, reserved: int) -> bool:
+        """Room for ``num_new`` more tokens of a running sequence, with ``reserved``
+        blocks left free for this step's forks; allocates them when there is."""
+        if self.manager.get_num_free_blocks() < reserved:
+            return False
+        if self.manager.allocate_slots(seq.request, num_new) is None:
+            return False
+        return self.manager.get_num_free_blocks() >= reserved
+
+    def _fork_blocks(self, seq: Sequence, num_new: int) -> int:
+        """Blocks the fork after this chunk will take: one copy of the partly filled
+        last block per child (none when the prompt ends on a block boundary)."""
+        request = seq.request
+        if not seq.fork_pending or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        return (seq.params.n - 1) if request.num_tokens % self.config.block_size else 0
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq], fork_blocks: int) -> int:
+        """Waiting sequences in order while the budget, rows and blocks allow.
+
+        A sequence whose prefix includes a block that this step computes for another
+        one waits a step (the others behind it go ahead): the KV manager makes a block
+        a prefix hit only once its tokens are computed, so admitting both now would
+        compute the shared blocks twice.
+        """
         max_seqs = self.config.max_num_seqs
         rows_taken = sum(_rows(seq) for seq in self.running)
+        in_flight = self._blocks_filled_by(scheduled)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if rows_taken + _rows(seq) > max_seqs:
                 break
             request = seq.request
+            if self._waits_for_prefix(request, in_flight):
+                deferred.append(self.waiting.popleft())
+                self.stats.num_prefix_waits += 1
+                continue
             hits, num_hit = self.manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            new_blocks = self.manager.allocate_slots(request, num_new, num_hit, hits)
-            if new_blocks is None:
+            if self.manager.allocate_slots(request, num_new, num_hit, hits) is None:
                 break
-            request.num_computed_tokens = num_hit
+            fork_blocks += self._fork_blocks(seq, num_new)
+            if self.manager.get_num_free_blocks() < fork_blocks:
+                self.manager.free(request)  # safe right after allocation: nothing computed
+                request.num_computed_tokens = 0
+                break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._schedule_seq(seq, num_hit, num_new, new_blocks))
+            scheduled.append(self._schedule_seq(seq, num_new))
+            in_flight |= self._blocks_filled_by(scheduled[-1:])
             budget -= num_new
             rows_taken += _rows(seq)
+        self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def _schedule_seq(
-        self, seq: Sequence, num_computed: int, num_new: int, new_blocks: list[KVCacheBlock]
-    ) -> ScheduledSeq:
-        if seq.resident:
-            block_ids = tuple(b.block_id for b in new_blocks)
-        else:
-            block_ids = tuple(self.manager.get_block_ids(seq.seq_id))
-            seq.resident = True
-        samples = num_computed + num_new == seq.request.num_tokens
+    def _blocks_filled_by(self, scheduled: Seq[ScheduledSeq]) -> set[BlockHash]:
+        """Hashes of the full blocks these chunks complete that are not cached yet."""
+        manager = self.manager
+        if not manager.enable_caching or not self.waiting:
+            return set()
+        size = self.config.block_size
+        filled: set[BlockHash] = set()
+        for s in scheduled:
+            first = s.num_computed_tokens // size
+            end = (s.num_computed_tokens + s.num_new_tokens) // size
+            if end > first:
+                hashes = manager.hasher.update(s.seq.request)
+                filled.update(
+                    h for h in hashes[first:end] if manager.block_pool.get_cached_block(h) is None
+                )
+        return filled
+
+    def _waits_for_prefix(self, request: Request, in_flight: set[BlockHash]) -> bool:
+        if not in_flight:
+            return False
+        hashes = self.manager.hasher.update(request)
+        num_hittable = (request.num_tokens - 1) // self.config.block_size
+        return any(h in in_flight for h in hashes[:num_hittable])
+
+    def _schedule_seq(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        request = seq.request
+        num_computed = request.num_computed_tokens  # prefix hits included
+        block_ids = tuple(self.manager.take_new_block_ids(seq.seq_id))
+        samples = num_computed + num_new == request.num_tokens
         return ScheduledSeq(seq, num_computed, num_new, block_ids, samples)
 
     def update(
@@ -256,12 +316,14 @@ class Scheduler:
         samples: Mapping[str, Seq[int]],
         logits: Mapping[str, torch.Tensor] | None = None,
     ) -> list[Sequence]:
-        """Advance the step's sequences; append the sampled tokens (``samples[seq_id]``:
-        n tokens for a sequence that forks now, else one). Returns those that finished."""
+        """The step ran: its tokens are in the cache (``mark_computed``, which also makes
+        their full blocks prefix-cache hits). Append the sampled tokens
+        (``samples[seq_id]``: n tokens for a sequence that forks now, else one).
+        Returns the sequences that finished."""
         finished = []
         for s in output.scheduled:
             seq = s.seq
-            seq.request.num_computed_tokens += s.num_new_tokens
+            self.manager.mark_computed(seq.request, s.num_new_tokens)
             if not s.samples:
                 continue
             tokens = samples[seq.seq_id]
@@ -286,17 +348,18 @@ class Scheduler:
     # -- transitions ------------------------------------------------------------------
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Samples 1..n-1 of the parent's request, sharing its blocks (its prompt is
-        computed, no token of its own yet)."""
+        """Samples 1..n-1 of the parent's request (its prompt is computed, no token of
+        its own yet): they share its full blocks; their copies of a partly filled last
+        block go to every layer before the next step. schedule() kept the blocks free."""
         children = []
         at = self.running.index(parent)
         for index in range(1, parent.params.n):
-            child_id = self._new_seq_id()
-            # one call each to the request and the manager (the manager has no one-call fork)
-            child_request = parent.request.fork(child_id)
-            self.manager.fork(parent.seq_id, child_id)
+            fork = self.manager.fork(parent.request, self._new_seq_id())
+            if fork is None:
+                raise AssertionError("schedule() reserves the blocks of every fork")
+            self._copies += fork.copies
             child = Sequence(
-                child_request,
+                fork.child,
                 parent.group_id,
                 index,
                 parent.params,
@@ -314,7 +377,7 @@ class Scheduler:
         params = seq.params
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(seq.request.output_token_ids) >= params.max_tokens:
+        if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if seq.request.num_tokens >= self.config.max_model_len:
             return FinishReason.MAX_MODEL_LEN
@@ -323,9 +386,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.manager.free(seq.request)
-        if seq.resident:
-            self._removed.append(seq.seq_id)
-            seq.resident = False
+        self._removed.append(seq.seq_id)
+        # a fork aborted before its first step: its copy's destination is free again
+        self._copies = [c for c in self._copies if c.request_id != seq.seq_id]
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)

@@ -33,8 +33,6 @@ class Sequence:
 
     ``fork_pending``: sample 0 of an ``n > 1`` request before its prompt is computed;
     the other samples are forked from it (sharing its blocks) when it first samples.
-    ``resident``: the runner holds a block-table row for it (the first step after
-    admission passes all its block ids, later steps only the new ones).
     """
 
     request: Request
@@ -45,7 +43,6 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     fork_pending: bool = False
-    resident: bool = False
     num_preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # when params.return_logits
 
@@ -55,7 +52,11 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return list(self.request.output_token_ids)
+        return list(self.request.all_token_ids[self.request.num_prompt_tokens :])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_tokens - self.request.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:
