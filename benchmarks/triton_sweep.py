@@ -1,20 +1,29 @@
-"""Tune the Triton backend: time many tile / warp / stage / split variants in one process.
+"""Tune the Triton backend's tile rule: time many tile / warp / stage / split variants.
 
     python benchmarks/triton_sweep.py                     # every workload of attention.py
     python benchmarks/triton_sweep.py --workloads decode-64x4096 --quick --json sweep.json
+    python benchmarks/triton_sweep.py --num-heads 64 --head-size 256 --block-size 32
+    python benchmarks/triton_sweep.py --plan-overhead      # host time per forward (CPU too)
 
 For each workload it times the unified kernel (and the reduction, when split)
 through the backend's own builder and impl, overriding the tiles and the split
-count: first every candidate tile at the split count the builder chooses, then
-every split count with the best tile. All variants are compiled up front in
-parallel processes (into Triton's on-disk cache), so the timing loop only loads
-them. Prints one table per workload (best first) and the rows to paste into
-``backends/triton/configs.py`` (TILES, and the split counts next to the policy's).
+count: first every candidate tile (the rule's rows and their neighbours) at the
+split count the rule chooses, then every split count with the best tile. All
+variants are compiled up front in parallel processes (into Triton's on-disk cache),
+so the timing loop only loads them. Prints one table per workload (best first), how
+far the rule's choice is from the best, and the rule's view of the workload (rows,
+memory- or compute-bound): what the constants of ``backends/triton/configs.py`` are
+calibrated against (docs/triton.md lists them).
+
+``--plan-overhead`` times the host side of one forward with the kernel launches
+stubbed: the shared checks, the KV views, and completing the builder's launch
+templates with the layer's tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import json
@@ -26,37 +35,20 @@ from dataclasses import asdict, dataclass
 
 import pagedkv
 import torch
-from attention import (
-    DTYPES,
-    WORKLOADS,
-    Problem,
-    build_problem,
-    fill_cache,
-    measure_copy_bandwidth,
-    time_eager_us,
-)
 from pagedkv.backends.triton.configs import (
+    BLOCK_M_CHOICES,
+    TILE_N_CHOICES,
+    LayerShape,
+    StepShape,
     TileConfig,
-    dot_inputs,
-    head_pad,
-    select_tile,
-    tile_kind,
+    choose_block_m,
 )
+from pagedkv.bench.problem import BenchProblem as Problem
+from pagedkv.bench.problem import build_problem as build_bench_problem
+from pagedkv.bench.problem import fill_cache
+from pagedkv.bench.timing import copy_bandwidth, time_us
+from pagedkv.bench.workloads import DTYPES, MATRICES
 
-DECODE_TILES = [
-    TileConfig(16, n, w, s)
-    for n, w, s in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4, 5))
-]
-PREFILL_TILES = [
-    TileConfig(m, n, w, s)
-    for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-]
-QUICK_DECODE_TILES = [
-    TileConfig(16, n, 4, s) for n, s in itertools.product((32, 64, 128), (2, 3, 4))
-]
-QUICK_PREFILL_TILES = [
-    TileConfig(m, n, 8, s) for m, n, s in itertools.product((64, 128), (64, 128), (2, 3))
-]
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -68,8 +60,23 @@ class Trial:
     us: float | None = None
     pct_copy: float | None = None
     tflops: float | None = None
-    chosen: bool = False  # what the builder picks today
+    chosen: bool = False  # what the rule picks
     error: str = ""
+
+
+# the rows of `pagedkv bench --matrix standard`
+WORKLOADS = {w.name: w for w in MATRICES["standard"]}
+
+
+def build_problem(workload, *, device: str = "cuda", **layer) -> Problem:
+    """``workload`` with its layer changed where ``layer`` gives a value."""
+    changes = {k: v for k, v in layer.items() if v is not None}
+    layer_shape = dataclasses.replace(workload.layer, **changes)
+    return build_bench_problem(dataclasses.replace(workload, layer=layer_shape), device)
+
+
+def time_eager_us(fn) -> float:
+    return time_us(fn, torch.device("cuda"))
 
 
 class Bench:
@@ -86,6 +93,9 @@ class Bench:
         self.out = torch.empty_like(problem.query)
         default = self.builder.build(problem.common)
         self.default = (default.tile, default.num_splits)
+        # the rule's view of the workload
+        layer = LayerShape.of(spec)
+        self.block_m, self.memory_bound = choose_block_m(layer, StepShape.of(problem.common))
 
     def launches(self, tile: TileConfig, splits: int) -> list:
         md = self.builder.build(self.problem.common, tile=tile, num_splits=splits)
@@ -115,21 +125,21 @@ def _warm(job: tuple) -> str:
 def compile_job(launch) -> tuple:
     """What a worker needs to compile ``launch``: tensors reduced to their dtypes."""
     fn = launch.kernel.fn
-    args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in launch.args)
-    return fn.__module__, fn.__name__, args, launch.kwargs
+    kwargs = {k: v.dtype if isinstance(v, torch.Tensor) else v for k, v in launch.kwargs.items()}
+    return fn.__module__, fn.__name__, (), kwargs
 
 
 def precompile(jobs: list[tuple], processes: int) -> None:
     """Compile every distinct job in parallel processes before anything is timed."""
     distinct = {}
     for job in jobs:
-        _, name, args, kwargs = job
+        _, name, _, kwargs = job
         kinds = tuple(
-            repr(a) if not isinstance(a, int) or isinstance(a, bool)
-            else ("one" if a == 1 else "d16" if a % 16 == 0 else "int")
-            for a in args
+            (k, repr(a) if not isinstance(a, int) or isinstance(a, bool)
+             else ("one" if a == 1 else "d16" if a % 16 == 0 else "int"))
+            for k, a in sorted(kwargs.items())
         )  # fmt: skip
-        distinct.setdefault((name, repr(sorted(kwargs.items())), kinds), job)
+        distinct.setdefault((name, kinds), job)
     print(f"compiling {len(distinct)} kernel variants in {processes} processes", flush=True)
     context = multiprocessing.get_context("spawn")
     try:
@@ -141,22 +151,27 @@ def precompile(jobs: list[tuple], processes: int) -> None:
         print(f"  parallel compile failed ({type(exc).__name__}: {exc}); continuing", flush=True)
 
 
-def candidate_tiles(problem: Problem, quick: bool) -> list[TileConfig]:
-    w, s = problem.workload, problem.spec
-    decode = tile_kind(w.query_len, s.num_queries_per_kv) == "decode"
-    if decode:
-        tiles = QUICK_DECODE_TILES if quick else DECODE_TILES
+def candidate_tiles(bench: Bench, quick: bool) -> list[TileConfig]:
+    """The rule's rows and their neighbours, every key step, warps and stages."""
+    group = bench.problem.spec.num_queries_per_kv
+    i = BLOCK_M_CHOICES.index(bench.block_m)
+    rows = [m for m in BLOCK_M_CHOICES[max(0, i - 1) : i + 2] if m >= group]
+    if quick:
+        rows, stages = [bench.block_m], (2,)
     else:
-        tiles = QUICK_PREFILL_TILES if quick else PREFILL_TILES
-    group = 1 << (s.num_queries_per_kv - 1).bit_length()
-    return [t for t in tiles if t.block_m >= group]
+        stages = (1, 2, 3)
+    return [
+        TileConfig(m, n, w, st)
+        for m, n, w, st in itertools.product(rows, TILE_N_CHOICES, (4, 8), stages)
+        if w == 4 or m >= 64
+    ]
 
 
 def candidate_splits(problem: Problem) -> list[int]:
     w = problem.workload
-    if w.kind != "decode":
+    if max(w.query_lens) != 1:
         return [1]
-    return [n for n in SPLITS if n == 1 or w.seq_len // n >= 256]
+    return [n for n in SPLITS if n == 1 or max(w.seq_lens) // n >= 256]
 
 
 def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
@@ -193,56 +208,104 @@ def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
     return trials
 
 
-def print_report(trials: list[Trial], problems: dict[str, Problem]) -> None:
+def print_report(trials: list[Trial], benches: dict[str, Bench]) -> None:
     print()
     for name in dict.fromkeys(t.workload for t in trials):
         rows = sorted((t for t in trials if t.workload == name), key=lambda t: t.us or 1e30)
-        print(f"== {name}")
+        bench = benches[name]
+        bound = "memory" if bench.memory_bound else "compute"
+        print(f"== {name} (rule: {bench.block_m} rows, {bound}-bound)")
         print(f"{'tile':<18} {'splits':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8}")
         for t in rows[:12]:
             if t.us is None:
                 print(f"{t.tile:<18} {t.num_splits:>6} ERROR {t.error}")
                 continue
-            mark = "  <- builder's choice" if t.chosen else ""
+            mark = "  <- the rule's choice" if t.chosen else ""
             print(
                 f"{t.tile:<18} {t.num_splits:>6} {t.us:9.1f} {t.pct_copy:6.1f} {t.tflops:8.1f}{mark}"
             )
         chosen = [t for t in rows if t.chosen and t.us]
         if chosen and rows[0].us:
-            print(f"builder's choice is {chosen[0].us / rows[0].us:.2f}x the best")
-    print("\n== suggested configs.py rows (best tile per workload)")
+            print(f"the rule's choice is {chosen[0].us / rows[0].us:.2f}x the best")
+
+
+def plan_overhead(problems: dict[str, Problem]) -> None:
+    """Host microseconds per forward with the kernel launches stubbed: the whole
+    forward (shared checks, views, launch planning) and the impl's planning alone."""
+    import time
+
+    from pagedkv.backends.triton import impl as triton_impl
+
+    def per_call_us(fn, n: int = 2000) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - start) / n * 1e6)
+        return best
+
+    def one(bench: Bench) -> tuple[object, float, float]:
+        md = bench.builder.build(bench.problem.common)
+        q, impl, cache, out = bench.problem.query, bench.impl, bench.cache, bench.out
+        real = triton_impl.run_launches
+        triton_impl.run_launches = lambda launches: None  # the launches stubbed
+        try:
+            forward = per_call_us(lambda: impl.forward(q, None, None, cache, md, out))
+            planning = per_call_us(lambda: impl.plan(q, cache, md, out))
+        finally:
+            triton_impl.run_launches = real
+        return md, forward, planning
+
     for name, problem in problems.items():
-        rows = [t for t in trials if t.workload == name and t.us is not None]
-        if not rows:
-            continue
-        best = min(rows, key=lambda t: t.us)
-        s = problem.spec
-        kind = tile_kind(problem.workload.query_len, s.num_queries_per_kv)
-        key = (kind, head_pad(s.head_size), dot_inputs(s.dtype, s.kv_cache_dtype))
-        m, n, w, st = (int(x[1:]) for x in best.tile.split("-"))
+        md, forward, planning = one(Bench(problem))
         print(
-            f"    {key!r}: TileConfig({m}, {n}, {w}, {st}),  # {name}: {best.us:.1f} us, "
-            f"splits={best.num_splits} (current table: "
-            f"{select_tile(kind, s.head_size, s.dtype, s.kv_cache_dtype)})"
+            f"{name}: {md.tile}, {md.num_splits} split(s): forward without launches "
+            f"{forward:.1f} us, of which planning {planning:.1f} us"
         )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--quick", action="store_true", help="fewer tile candidates")
+    p.add_argument("--workloads", default=",".join(w.name for w in MATRICES["core"]))
+    # unset: each workload's own layer (pagedkv bench's matrix)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--head-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
+    p.add_argument("--quick", action="store_true", help="the rule's rows only, 2 stages")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--json", help="write every trial here")
+    p.add_argument("--plan-overhead", action="store_true", help="host time per forward only")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("the sweep needs a CUDA device")
-    copy_bw = measure_copy_bandwidth("cuda")
-    print(f"copy bandwidth (read+write): {copy_bw / 1e12:.3f} TB/s", flush=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.plan_overhead:
+        sys.exit("the sweep needs a CUDA device (--plan-overhead runs on a CPU)")
     names = [n for n in args.workloads.split(",") if n]
-    problems = {n: build_problem(WORKLOADS[n], dtype=DTYPES[args.dtype]) for n in names}
+    shape = dict(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    dtype = args.dtype
+    if args.plan_overhead:
+        if device == "cpu":  # the CPU runs the kernels in Triton's interpreter
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+            dtype = "fp16" if dtype in (None, "bf16") else dtype
+        problems = {
+            n: build_problem(WORKLOADS[n], dtype=dtype, device=device, **shape) for n in names
+        }
+        plan_overhead(problems)
+        return
+    copy_bw = copy_bandwidth(torch.device("cuda"))
+    print(f"copy bandwidth (read+write): {copy_bw / 1e12:.3f} TB/s", flush=True)
+    problems = {n: build_problem(WORKLOADS[n], dtype=dtype, **shape) for n in names}
     benches = {n: Bench(p) for n, p in problems.items()}
-    tiles = {n: candidate_tiles(p, args.quick) for n, p in problems.items()}
+    tiles = {n: candidate_tiles(b, args.quick) for n, b in benches.items()}
     jobs = []
     for n, bench in benches.items():
         default_tile, default_splits = bench.default
@@ -256,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     trials = []
     for n, bench in benches.items():
         trials += sweep(bench, tiles[n], copy_bw)
-    print_report(trials, problems)
+    print_report(trials, benches)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -78,6 +78,9 @@ class Capabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     # which steps forward can be captured in a CUDA graph (builder.reserve_cuda_graph)
     cuda_graph: GraphSupport = GraphSupport.NEVER
+    # a request's output is bitwise identical whatever else is in the batch (other
+    # requests, their order, padding rows, the split-KV decision)
+    batch_invariant: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)  # e.g. limits per feature
 
     @property
@@ -138,6 +141,7 @@ class Capabilities:
             features=(self.features & other.features) - {Feature.CUDA_GRAPH},
             devices=self.devices & other.devices,
             cuda_graph=min(self.graph_support, other.graph_support, key=levels.index),
+            batch_invariant=self.batch_invariant and other.batch_invariant,
             notes=self.notes + tuple(n for n in other.notes if n not in self.notes),
         )
 
@@ -151,4 +155,5 @@ class Capabilities:
             "features": sorted(str(f) for f in self.features),
             "devices": sorted(self.devices),
             "cuda_graph": str(self.graph_support),
+            "batch_invariant": self.batch_invariant,
         }

@@ -7,15 +7,33 @@ scenarios run compiled, bfloat16 included.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
+import weakref
 
+import numpy as np
 import pagedkv
 import pytest
 import torch
-from pagedkv import AttentionSpec, ConfigError, MetadataError, UnsupportedError
+from pagedkv import (
+    AttentionSpec,
+    CommonAttentionMetadata,
+    ConfigError,
+    GraphBounds,
+    MetadataError,
+    UnsupportedError,
+)
 from pagedkv.backends.triton.builder import TritonMetadataBuilder
-from pagedkv.backends.triton.configs import SPLIT_POLICY, TILES, choose_num_splits, select_tile
+from pagedkv.backends.triton.configs import (
+    SPLIT_POLICY,
+    LayerShape,
+    StepShape,
+    fits,
+    plan_tiles,
+)
 from pagedkv.conformance import Scenario, run_scenario
+from pagedkv.conformance.problem import build_problem
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -69,8 +87,10 @@ SCENARIOS = [
     ),
 ]
 # flash-decoding: every split count must give the single-pass answer
+# a split holds whole key tiles (16-128 keys): one sequence long enough for each count
+MIXED_LONG = dict(seq_lens=(1, 17, 33, 400, 40, 5), query_lens=(1, 17, 5, 1, 8, 0))
 SPLIT_SCENARIOS = [
-    (3, Scenario("split3-mixed", **MIXED, num_padding_tokens=2)),
+    (3, Scenario("split3-mixed", **MIXED_LONG, num_padding_tokens=2)),
     (4, Scenario("split4-decode-sinks", **DECODE, use_sinks=True)),
     (2, Scenario("split2-window-fp32", **DECODE, sliding_window=70, dtype=torch.float32)),
     (5, Scenario("split5-fp8", **DECODE, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0)),
@@ -78,7 +98,7 @@ SPLIT_SCENARIOS = [
         3,
         Scenario(
             "split3-everything",
-            **MIXED,
+            **MIXED_LONG,
             logits_soft_cap=30.0,
             alibi=True,
             use_sinks=True,
@@ -108,6 +128,9 @@ def test_matches_reference(scenario):
     "splits, scenario", SPLIT_SCENARIOS, ids=[s.name for _, s in SPLIT_SCENARIOS]
 )
 def test_split_kv_matches_reference(splits, scenario):
+    problem = build_problem(scenario, DEVICE)
+    builder = pagedkv.get_backend("triton", num_splits=splits).make_builder(problem.spec, DEVICE)
+    assert builder.build(problem.common).num_splits > 1  # the forced split happens
     _check(scenario, num_splits=splits)
 
 
@@ -122,11 +145,8 @@ def test_automatic_split_on_a_long_decode():
     scenario = Scenario(
         "auto-split", seq_lens=(1200,), query_lens=(1,), num_heads=4, num_kv_heads=2
     )
-    spec = scenario.spec()
-    builder = TritonMetadataBuilder(spec, DEVICE)
-    common = pagedkv.CommonAttentionMetadata.from_requests(
-        [1200], [1], [list(range(1, 76))], 16, DEVICE
-    )
+    builder = pagedkv.get_backend("triton").make_builder(scenario.spec(), DEVICE)
+    common = CommonAttentionMetadata.from_requests([1200], [1], [list(range(1, 76))], 16, DEVICE)
     assert builder.build(common).num_splits > 1
     _check(scenario)
 
@@ -137,11 +157,15 @@ H200_SMS = 132
 SPEC = AttentionSpec(
     num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=16
 )
+H200_LAYER = LayerShape.of(SPEC)
 
 
-class _H200Builder(TritonMetadataBuilder):
-    def num_sms(self) -> int:
-        return H200_SMS
+def _step(seq_lens, query_lens) -> StepShape:
+    return StepShape(np.asarray(seq_lens) * 0 + np.asarray(query_lens), np.asarray(seq_lens))
+
+
+def _plan(layer, seq_lens, query_lens, **kwargs):
+    return plan_tiles(layer, _step(seq_lens, query_lens), H200_SMS, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -149,73 +173,238 @@ class _H200Builder(TritonMetadataBuilder):
     [
         (64, 4096, 1, 1),  # 512 programs already fill the GPU
         (256, 1024, 1, 1),
-        (4, 32768, 1, 17),  # 32 programs: split to fill 4 per SM
+        (4, 32768, 1, 16),  # 32 programs: split to fill 4 per SM
         (1, 32768, 1, 64),  # capped by max_splits
         (1, 700, 1, 1),  # too short to split
         (8, 2048, 2048, 1),  # prefill never splits
     ],
 )
 def test_split_choice(num_seqs, seq_len, query_len, expect):
-    builder = _H200Builder(SPEC, "cpu")
-    tile, block_q, splits = builder.choose(num_seqs, num_seqs * query_len, query_len, seq_len)
-    assert splits == expect
-    kind = "decode" if query_len == 1 else "prefill"
-    if kind == "decode" and splits > 1:
-        kind = "decode-split"
-    assert tile == select_tile(kind, SPEC.head_size, SPEC.dtype, SPEC.kv_cache_dtype)
-    assert block_q == tile.block_m // SPEC.num_queries_per_kv
+    plan = _plan(H200_LAYER, [seq_len] * num_seqs, [query_len] * num_seqs)
+    assert plan.num_splits == expect
+    assert plan.split == (expect > 1) and plan.tiles_per_split == 0
 
 
 def test_split_choice_is_monotone_in_batch_size():
     previous = SPLIT_POLICY.max_splits
-    for programs in range(1, 600, 7):
-        splits = choose_num_splits(SPLIT_POLICY, programs, 1, 1 << 20, H200_SMS)
+    for num_seqs in range(1, 80, 3):
+        splits = _plan(H200_LAYER, [1 << 16] * num_seqs, [1] * num_seqs).num_splits
         assert 1 <= splits <= previous
         previous = splits
 
 
-def test_every_tile_fits_the_kernel_rules():
-    for key, tile in TILES.items():
-        assert tile.block_m >= 16 and tile.tile_n >= 16, key
-        assert tile.block_m & (tile.block_m - 1) == 0 and tile.tile_n & (tile.tile_n - 1) == 0
-        assert tile.num_warps in (1, 2, 4, 8, 16) and tile.num_stages >= 1
+def test_rows_follow_the_work():
+    """Decodes keep one 16-row block per request; long queries take 64-row blocks
+    (wgmma); speculative tokens and wide GQA groups stay in one block per request."""
+    decode = _plan(H200_LAYER, [4096] * 64, [1] * 64)
+    assert decode.tile.block_m == 16 and decode.block_q == 4
+    prefill = _plan(H200_LAYER, [2048] * 8, [2048] * 8)
+    assert prefill.tile.block_m == 64
+    # 4 speculative tokens x GQA 8 = 32 rows: one block per request
+    spec8 = LayerShape.of(SPEC.replace(num_heads=64))
+    assert _plan(spec8, [4096] * 64, [4] * 64).tile.block_m == 32
+    # a group of 32 query heads is one program's rows
+    mqa = LayerShape.of(SPEC.replace(num_kv_heads=1))
+    assert _plan(mqa, [4096] * 8, [1] * 8).tile.block_m == 32
+    # a mixed step whose work is in one long chunk takes the chunk's rows, one whose
+    # work is in the decodes keeps the decode rows
+    assert _plan(H200_LAYER, [4096] * 64 + [8192], [1] * 64 + [4096]).tile.block_m == 64
+    assert _plan(H200_LAYER, [4096] * 256 + [300], [1] * 256 + [40]).tile.block_m == 16
+
+
+def test_rule_keeps_the_h200_measurements():
+    """Where the H200 sweep measured (bf16, D 128, docs/benchmarks.md), the rule picks
+    a tile the sweep put among the fastest spill-free ones."""
+    prefill = _plan(H200_LAYER, [2048] * 8, [2048] * 8).tile
+    assert (prefill.block_m, prefill.tile_n, prefill.num_warps) == (64, 32, 4)
+    decode = _plan(H200_LAYER, [4096] * 64, [1] * 64).tile
+    assert (decode.block_m, decode.num_warps) == (16, 4) and decode.tile_n in (64, 128)
+
+
+LAYERS = [
+    SPEC.replace(head_size=d, num_heads=8 * g, dtype=dtype, kv_cache_dtype=kv, block_size=b)
+    for d in (32, 64, 128, 256)
+    for g in (1, 4, 8, 16)
+    for dtype, kv in (
+        (torch.bfloat16, "auto"),
+        (torch.bfloat16, "fp8_e4m3"),
+        (torch.float32, "auto"),
+    )
+    for b in (16, 64)
+]
+STEPS = {
+    "decode": ([4096] * 64, [1] * 64),
+    "long-decode": ([32768] * 2, [1] * 2),
+    "spec-decode": ([2048] * 32, [4] * 32),
+    "mixed": ([3000] * 48 + [5000], [1] * 48 + [1024]),
+    "prefill": ([2048] * 4, [2048] * 4),
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_every_planned_tile_fits_the_kernel_rules(step):
+    seq_lens, query_lens = STEPS[step]
+    for spec in LAYERS:
+        layer = LayerShape.of(spec)
+        for invariant in (False, True):
+            plan = _plan(layer, seq_lens, query_lens, batch_invariant=invariant)
+            t = plan.tile
+            assert t.block_m >= 16 and t.tile_n >= 16, (spec, t)
+            assert t.block_m & (t.block_m - 1) == 0 and t.tile_n & (t.tile_n - 1) == 0
+            assert plan.block_q == t.block_m // layer.group >= 1
+            assert t.num_warps in (4, 8) and t.num_stages == 2
+            assert t.tile_n == 16 or fits(layer, t.block_m, t.tile_n, t.num_warps), (spec, t)
+            assert 1 <= plan.num_splits <= SPLIT_POLICY.max_splits
+
+
+def test_batch_invariant_plan_depends_on_the_layer_only():
+    layer = H200_LAYER
+    plans = [
+        _plan(layer, seq_lens, query_lens, batch_invariant=True)
+        for seq_lens, query_lens in STEPS.values()
+    ]
+    assert len({p.tile for p in plans}) == 1
+    for p, (seq_lens, _) in zip(plans, STEPS.values(), strict=True):
+        keys = p.tiles_per_split * p.tile.tile_n
+        assert p.split and p.ordered_reduction and keys == 512
+        assert p.num_splits == -(-max(seq_lens) // keys)
 
 
 def test_forced_splits_option_is_checked():
-    with pytest.raises(ConfigError, match="num_splits=65"):
+    with pytest.raises(ConfigError, match="num_splits=65: expected 0"):
+        pagedkv.get_backend("triton", num_splits=65)
+    with pytest.raises(ConfigError, match="num_splits=65: expected 0"):
         TritonMetadataBuilder(SPEC, "cpu", num_splits=65)
     with pytest.raises(ConfigError, match="expected an int"):
         pagedkv.get_backend("triton", num_splits="many")
 
 
-def test_graph_buffers_keep_their_addresses_and_pad():
-    builder = TritonMetadataBuilder(SPEC, "cpu")
-    builder.reserve_cuda_graph(max_num_reqs=4, max_num_tokens=4, max_blocks_per_req=8)
-    first = builder.build(
-        pagedkv.CommonAttentionMetadata.from_requests([20, 33], [1, 1], [[3, 4], [5, 6, 7]], 16)
+# -- CUDA-graph bounds (the mechanics, runnable on a CPU) ------------------------------------
+
+
+def test_reserved_builds_keep_one_plan_and_their_buffers():
+    """Under a reservation every step gets the same plan and the same buffers (the step
+    arrays and the split partials), and attends as an eager step does."""
+    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
+    backend = pagedkv.get_backend("triton", num_splits=3)
+    builder = backend.make_builder(spec, DEVICE)
+    builder.reserve_cuda_graph(
+        GraphBounds(max_num_reqs=4, max_num_tokens=6, max_blocks_per_req=8, max_query_len=3)
     )
-    second = builder.build(
-        pagedkv.CommonAttentionMetadata.from_requests(
-            [5, 60, 2], [1, 1, 1], [[9], [1, 2, 3, 4], [8]], 16
-        )
+    impl = backend.make_impl(spec)
+    cache = backend.allocate_kv_cache(40, spec, DEVICE)
+    cache.normal_()
+    eager_builder = backend.make_builder(spec, DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    seen = None
+    for seq_lens, query_lens, blocks in (
+        ([20, 33], [1, 3], [[3, 4], [5, 6, 7]]),
+        ([5, 120, 2], [1, 1, 2], [[9], list(range(10, 18)), [8]]),
+    ):
+        common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
+        md = builder.build(common)
+        buffers = [md.common.query_start_loc, md.common.block_table, md.common.seq_lens]
+        buffers += [md.attention.kwargs[k] for k in ("PartAcc", "PartMax", "PartSum")]
+        now = (md.plan, md.attention.grid, [b.data_ptr() for b in buffers])
+        assert seen is None or now == seen
+        seen = now
+        n = common.num_tokens
+        q = torch.randn(6, 4, 32, generator=gen).half().to(DEVICE)
+        out = impl.forward(q, None, None, cache, md)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
+
+
+# -- bad metadata is refused or honoured, never read wrongly ---------------------------------
+
+SMALL = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
+
+
+def _small_problem():
+    backend = pagedkv.get_backend("triton")
+    gen = torch.Generator().manual_seed(3)
+    cache = backend.allocate_kv_cache(12, SMALL, DEVICE)
+    cache.copy_(torch.randn(cache.shape, generator=gen).half())
+    common = CommonAttentionMetadata.from_requests(
+        [40, 7, 33], [3, 7, 1], [[4, 9, 2], [7], [11, 1, 5]], 16, DEVICE
     )
-    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-        assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
-    assert (first.num_seqs, first.num_tokens, first.tile) == (
-        second.num_seqs,
-        second.num_tokens,
-        second.tile,
-    )
-    assert second.query_start_loc.tolist() == [0, 1, 2, 3, 3]
-    assert second.seq_lens.tolist() == [5, 60, 2, 0]
-    assert second.slot_mapping.tolist() == [9 * 16 + 4, 4 * 16 + 11, 8 * 16 + 1, -1]
-    with pytest.raises(MetadataError, match="num_reqs = 5 exceeds the CUDA-graph reservation"):
-        builder.build(
-            pagedkv.CommonAttentionMetadata.from_requests([1] * 5, [1] * 5, [[1]] * 5, 16)
-        )
+    q = torch.randn(common.num_tokens, 4, 32, generator=gen).half().to(DEVICE)
+    return backend, cache, common, q
+
+
+def _strided(t: torch.Tensor, junk: int) -> torch.Tensor:
+    """The same values as ``t`` in a view whose last axis has stride 2 (junk between)."""
+    pair = torch.stack([t, torch.full_like(t, junk)], dim=-1)
+    view = pair[..., 0]
+    assert not view.is_contiguous() and torch.equal(view, t)
+    return view
+
+
+def test_strided_metadata_gives_the_contiguous_answer():
+    """A strided slot_mapping, block_table, query_start_loc or seq_lens view (junk between
+    the values) attends and writes exactly as the contiguous tensor does."""
+    backend, cache, common, q = _small_problem()
+    builder, impl = backend.make_builder(SMALL, DEVICE), backend.make_impl(SMALL)
+    k = torch.randn(common.num_tokens, 2, 32).half().to(DEVICE)
+    want_cache = cache.clone()
+    want = impl.forward(q, k, k, want_cache, builder.build(common))
+    for name, junk in (
+        ("slot_mapping", 3),
+        ("block_table", 6),
+        ("query_start_loc", 9),
+        ("seq_lens", 60),
+    ):
+        bad = dataclasses.replace(common, **{name: _strided(getattr(common, name), junk)})
+        got_cache = cache.clone()
+        got = impl.forward(q, k, k, got_cache, builder.build(bad))
+        assert torch.equal(got, want), name
+        assert torch.equal(got_cache, want_cache), name
+
+
+def test_more_scheduled_tokens_than_rows_is_refused():
+    """query_start_loc[-1] past the token rows would write past the output."""
+    backend, _, common, _ = _small_problem()
+    short = dataclasses.replace(common, slot_mapping=common.slot_mapping[:-1])
+    with pytest.raises(MetadataError, match=r"query_start_loc\[-1\] = 11 scheduled tokens"):
+        backend.make_builder(SMALL, DEVICE).build(short)
+
+
+def test_sequence_wider_than_its_block_table_row_is_refused():
+    """A seq_len needing more blocks than the row holds would read junk block ids."""
+    backend, _, common, _ = _small_problem()
+    narrow = dataclasses.replace(common, block_table=common.block_table[:, :2].contiguous())
+    with pytest.raises(MetadataError, match=r"seq_lens\[0\] = 40 needs 3 blocks of 16"):
+        backend.make_builder(SMALL, DEVICE).build(narrow)
+
+
+def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
+    """The impl keeps its K/V views between forwards: a new cache (or new storage
+    behind the same tensor) gets new views, and a dropped cache is freed."""
+    backend, cache, common, q = _small_problem()
+    md = backend.make_builder(SMALL, DEVICE).build(common)
+    impl = backend.make_impl(SMALL)
+    first = impl.forward(q, None, None, cache, md)
+    other = torch.randn(cache.shape, generator=torch.Generator().manual_seed(9)).half()
+    other = other.to(DEVICE)
+    want = backend.make_impl(SMALL).forward(q, None, None, other, md)
+    assert torch.equal(impl.forward(q, None, None, other, md), want)
+    cache.set_(other.clone())  # the same tensor object over new storage
+    assert torch.equal(impl.forward(q, None, None, cache, md), want)
+    assert not torch.equal(first, want)
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None and impl._views is None
 
 
 # -- declared support ----------------------------------------------------------------------
+
+
+def test_declares_graph_support_and_the_kv_first_layout():
+    backend = pagedkv.get_backend("triton")
+    assert str(backend.capabilities.graph_support) == "mixed"
+    assert pagedkv.Feature.CUDA_GRAPH not in backend.capabilities.features
+    assert backend.get_kv_layout() is pagedkv.layout.KV_FIRST
 
 
 def test_rejections_carry_reasons():
@@ -246,17 +435,24 @@ def test_forward_argument_errors_name_the_argument():
     spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=64)
     backend = pagedkv.get_backend("triton")
     md = backend.make_builder(spec, DEVICE).build(
-        pagedkv.CommonAttentionMetadata.from_requests([3], [3], [[1]], 16, DEVICE)
+        CommonAttentionMetadata.from_requests([3], [3], [[1]], 16, DEVICE)
     )
     impl = backend.make_impl(spec)
     q = torch.randn(3, 4, 64, device=DEVICE).half()
     kv = torch.randn(3, 2, 64, device=DEVICE).half()
     cache = backend.allocate_kv_cache(2, spec, DEVICE)
     with pytest.raises(
-        UnsupportedError, match=r"kv_cache: expected shape \[2, num_blocks, 16, 2, 64\]"
+        UnsupportedError,
+        match=r"kv_cache: expected the kv_first layout \[2, num_blocks, 16, 2, 64\]",
     ):
         impl.forward(q, kv, kv, cache[:, :, :8], md)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float16"):
         impl.forward(q, kv, kv, cache.float(), md)
     with pytest.raises(UnsupportedError, match=r"query: expected shape \[3, 4, 64\]"):
         impl.forward(q[:2], kv, kv, cache, md)
+    with pytest.raises(UnsupportedError, match="query: the head dimension must be contiguous"):
+        strided = torch.randn(3, 4, 128, device=DEVICE).half()[..., ::2]
+        impl.forward(strided, None, None, cache, md)
+    other = backend.make_impl(spec.replace(num_heads=8))
+    with pytest.raises(UnsupportedError, match="metadata: planned for Hq 4, Hkv 2, D 64"):
+        other.forward(torch.randn(3, 8, 64, device=DEVICE).half(), None, None, cache, md)

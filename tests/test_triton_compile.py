@@ -1,11 +1,13 @@
 """Every kernel variant the Triton backend launches compiles for sm_90, without a GPU.
 
 The interpreter does not check what the GPU compiler checks (tl.dot shapes, layouts,
-shared memory), so the launches the backend plans are compiled for sm_90 here,
-argument for argument. The matrix: every row of the tile table (decode and
-prefill, every padded head size, 16- and 32-bit dtypes), non-power-of-two heads,
-each score modifier, fp8 caches, GQA groups 1 to 32, several block sizes, the
-split-KV path with its reduction, and the KV write for every cache dtype.
+shared memory, registers), so the launches the backend plans are compiled for sm_90
+here, argument for argument. The matrix: the tiles the rule (configs.plan_tiles)
+picks on an H200 for decode, speculative-decode, long-context (split), mixed and
+prefill steps of layers with head sizes 64/128/256, GQA groups 1/4/8/16, block sizes
+16/32/64, 16-bit, fp8 and fp32 caches, and the batch-invariant plan of each; then
+each score modifier, padded head sizes, odd block sizes, split widths and the KV
+write. Identical compiles (same constants and argument specialisation) run once.
 """
 
 from __future__ import annotations
@@ -13,30 +15,33 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import pagedkv
 import pytest
 import torch
-from pagedkv.backends.triton.builder import TritonMetadataBuilder
-from pagedkv.backends.triton.configs import SPLIT_POLICY, TILES
+from pagedkv.backends.triton.configs import LayerShape, StepShape, TileConfig, plan_tiles
 from pagedkv.conformance import Scenario
 from pagedkv.conformance.problem import build_problem
+from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.triton_kv_write import plan_write_kv
 from triton_compile import compile_launches
 
 triton = pytest.importorskip("triton")
 tl = triton.language
 
-BACKEND = pagedkv.get_backend("triton")
+H200_SMS = 132
 # the shapes of the performance targets: Hq 32, Hkv 8, D 128, block 16
 BASE = Scenario(
     "base", seq_lens=(300, 40), query_lens=(1, 1), num_heads=32, num_kv_heads=8, head_size=128
 )
 PREFILL = dict(seq_lens=(300, 40), query_lens=(200, 40))
-# a layer whose tiles are each TILES row's
-DOT_INPUTS = {
-    "16-bit": dict(dtype=torch.bfloat16),
-    "16-bit-fp8": dict(dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3"),
-    "fp32": dict(dtype=torch.float32),
-    "fp32-fp8": dict(dtype=torch.float32, kv_cache_dtype="fp8_e5m2"),
+# the steps the rule plans for (seq_lens, query_lens)
+STEPS = {
+    "decode": ([4096] * 64, [1] * 64),
+    "spec-decode": ([2048] * 32, [4] * 32),
+    "long-decode": ([32768] * 2, [1] * 2),
+    "mixed": ([3000] * 48 + [5000], [1] * 48 + [1024]),
+    "prefill": ([2048] * 4, [2048] * 4),
 }
 
 
@@ -44,107 +49,166 @@ DOT_INPUTS = {
 class Variant:
     label: str
     scenario: Scenario
+    tile: TileConfig | None = None  # None: the builder's own choice on the scenario
     num_splits: int | None = None
+    batch_invariant: bool = False
+
+
+# layer: (scenario, the steps whose plans it compiles). Every head size meets every GQA
+# group; fp8, fp32 and the block sizes meet every head size; the split path (shared by
+# the batch-invariant mode) runs for one layer per cache kind.
+ALL_BUT_SPLIT = ("decode", "spec-decode", "mixed", "prefill")
+
+
+def _layers() -> dict[str, tuple[Scenario, tuple[str, ...]]]:
+    out = {}
+    for d in (64, 128, 256):
+        for g in (1, 4, 8, 16):
+            steps = (*ALL_BUT_SPLIT, "long-decode") if g == 4 else ALL_BUT_SPLIT
+            out[f"d{d}-gqa{g}"] = (BASE.replace(head_size=d, num_heads=8 * g), steps)
+        fp8 = BASE.replace(head_size=d, kv_cache_dtype="fp8_e4m3")
+        out[f"d{d}-gqa4-fp8"] = (
+            fp8,
+            ("decode", "prefill", "long-decode") if d == 128 else ("decode", "prefill"),
+        )
+        fp32 = BASE.replace(head_size=d, dtype=torch.float32)
+        out[f"d{d}-gqa4-fp32"] = (fp32, ("decode", "long-decode") if d == 128 else ("decode",))
+    fp32_fp8 = BASE.replace(dtype=torch.float32, kv_cache_dtype="fp8_e5m2")
+    out["d128-gqa4-fp32-fp8"] = (fp32_fp8, ("decode",))
+    for d, block in ((64, 32), (128, 32), (128, 64), (256, 64)):
+        scenario = BASE.replace(head_size=d, num_heads=64, block_size=block)
+        out[f"d{d}-gqa8-block{block}"] = (scenario, ("decode", "prefill"))
+    out["d128-gqa4-float16"] = (BASE.replace(dtype=torch.float16), ("decode", "prefill"))
+    return out
+
+
+def _planned_variants() -> list[Variant]:
+    """The tiles the rule picks for each layer's steps (and the batch-invariant plan)."""
+    out = []
+    for name, (scenario, steps) in _layers().items():
+        layer = LayerShape.of(scenario.spec())
+        seen = set()
+        for step in steps:
+            seq_lens, query_lens = STEPS[step]
+            shape = StepShape(np.asarray(query_lens), np.asarray(seq_lens))
+            # the batch-invariant plan with the layers whose split path is compiled
+            for invariant in (False, True) if step == "long-decode" else (False,):
+                plan = plan_tiles(layer, shape, H200_SMS, batch_invariant=invariant)
+                if (plan.tile, plan.split) in seen:
+                    continue
+                seen.add((plan.tile, plan.split))
+                kind = "invariant" if invariant else step
+                out.append(
+                    Variant(
+                        f"{name}-{kind}-{plan.tile}" + ("-split" if plan.split else ""),
+                        scenario,
+                        tile=plan.tile,
+                        num_splits=4 if plan.split and not invariant else None,
+                        batch_invariant=invariant,
+                    )
+                )
+    return out
 
 
 def _variants() -> list[Variant]:
-    out = []
-    for kind, pad, inputs in sorted(TILES):
-        lens = PREFILL if kind == "prefill" else {}
-        out.append(
-            Variant(
-                f"{kind}-d{pad}-{inputs}",
-                BASE.replace(head_size=pad, **DOT_INPUTS[inputs], **lens),
-                num_splits=4 if kind == "decode-split" else None,
-            )
-        )
-    for head in (48, 80, 96, 192):  # padded with masks
+    out = _planned_variants()
+    for head in (80, 192):  # padded with masks
         out.append(Variant(f"decode-d{head}", BASE.replace(head_size=head)))
         out.append(Variant(f"prefill-d{head}", BASE.replace(head_size=head, **PREFILL)))
     features = {
-        "non-causal": dict(causal=False),
-        "window": dict(sliding_window=100),
-        "non-causal-window": dict(causal=False, sliding_window=100),
-        "softcap": dict(logits_soft_cap=30.0),
-        "alibi": dict(alibi=True),
-        "sinks": dict(use_sinks=True),
-        "fp8-e4m3": dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5),
-        "fp8-e5m2": dict(kv_cache_dtype="fp8_e5m2", v_scale=0.5),
         "everything": dict(sliding_window=100, logits_soft_cap=30.0, alibi=True, use_sinks=True),
+        "non-causal-window": dict(causal=False, sliding_window=100),
     }
     for name, changes in features.items():
         out.append(Variant(f"decode-{name}", BASE.replace(**changes)))
         out.append(Variant(f"prefill-{name}", BASE.replace(**changes, **PREFILL)))
-    for dtype in (torch.float16, torch.float32):
-        out.append(
-            Variant(
-                f"decode-fp8-{str(dtype)[6:]}", BASE.replace(dtype=dtype, kv_cache_dtype="fp8_e4m3")
-            )
-        )
-    out.append(Variant("decode-float16", BASE.replace(dtype=torch.float16)))
-    out.append(Variant("prefill-float16", BASE.replace(dtype=torch.float16, **PREFILL)))
-    for heads, kv_heads in ((8, 8), (40, 8), (64, 8), (32, 1)):  # groups 1, 5, 8, 32
-        group = heads // kv_heads
-        out.append(
-            Variant(f"decode-gqa{group}", BASE.replace(num_heads=heads, num_kv_heads=kv_heads))
-        )
-        out.append(
-            Variant(
-                f"prefill-gqa{group}",
-                BASE.replace(num_heads=heads, num_kv_heads=kv_heads, **PREFILL),
-            )
-        )
+    decode_only = {
+        "non-causal": dict(causal=False),
+        "window": dict(sliding_window=100),
+        "softcap": dict(logits_soft_cap=30.0),
+        "alibi": dict(alibi=True),
+        "sinks": dict(use_sinks=True),
+        "fp8-e5m2": dict(kv_cache_dtype="fp8_e5m2", v_scale=0.5),
+    }
+    for name, changes in decode_only.items():
+        out.append(Variant(f"decode-{name}", BASE.replace(**changes)))
     for block in (48, 128):  # a non-power-of-two page; a page wider than the key tile
         out.append(Variant(f"decode-block{block}", BASE.replace(block_size=block)))
-    # split-KV: the attention kernel's SPLIT form and the reduction, at several widths
+    # split-KV: the reduction at several widths and with sinks
     for splits, changes in (
         (2, {}),
-        (SPLIT_POLICY.max_splits, {}),
+        (64, {}),
         (17, dict(head_size=64)),
-        (8, dict(head_size=256)),
         (5, dict(use_sinks=True)),
-        (4, dict(dtype=torch.float32)),
-        (3, dict(kv_cache_dtype="fp8_e4m3")),
         (6, dict(sliding_window=100, logits_soft_cap=30.0, alibi=True, use_sinks=True)),
     ):
         label = f"split{splits}" + "".join(f"-{k}" for k in changes)
-        out.append(Variant(label, BASE.replace(**changes), num_splits=splits))
+        out.append(Variant(label, BASE.replace(seq_lens=(4000, 40), **changes), num_splits=splits))
+    out.append(
+        Variant(
+            "invariant-sinks",
+            BASE.replace(use_sinks=True, seq_lens=(1100, 40)),
+            batch_invariant=True,
+        )
+    )
     return out
 
 
 VARIANTS = _variants()
 
 
-def _launches(variant: Variant) -> list[tuple]:
+def _launches(variant: Variant) -> list[KernelLaunch]:
     problem = build_problem(variant.scenario, "cpu")
     spec = problem.spec
-    cache = BACKEND.allocate_kv_cache(problem.num_blocks, spec, "cpu")
-    builder = TritonMetadataBuilder(spec, "cpu")
-    metadata = builder.build(problem.common, num_splits=variant.num_splits)
-    impl = BACKEND.get_impl_cls()(spec, sinks=problem.sinks)
-    output = torch.empty_like(problem.query)
-    launches = list(impl.plan(problem.query, cache, metadata, output))
-    # the KV write, as forward launches it
-    from pagedkv.toolkit.triton_kv_write import plan_write_kv
-
+    backend = pagedkv.get_backend("triton", batch_invariant=variant.batch_invariant)
+    cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
+    # the classes directly: make_builder refuses bfloat16 on a CPU (the interpreter's)
+    builder = backend.get_builder_cls()(
+        spec, "cpu", cache_layout=backend.get_kv_layout(), **backend.options
+    )
+    metadata = builder.build(problem.common, tile=variant.tile, num_splits=variant.num_splits)
+    impl = backend.get_impl_cls()(spec, sinks=problem.sinks, cache_layout=backend.get_kv_layout())
+    launches = impl.plan(problem.query, cache, metadata, torch.empty_like(problem.query))
+    k_view, v_view = backend.kv_cache_to_logical(cache, spec)
     write = plan_write_kv(
-        problem.new_key, problem.new_value, cache[0], cache[1], metadata.slot_mapping,
+        problem.new_key, problem.new_value, k_view, v_view, metadata.slot_mapping,
         spec.k_scale, spec.v_scale,
     )  # fmt: skip
-    return [*launches, (write.kernel, write.grid, (), write.kwargs)]
+    return [*launches, write]
+
+
+def _compile_key(launch: KernelLaunch) -> tuple:
+    """What Triton compiles a launch for: the constexprs and options, and for the other
+    arguments their dtypes, 16-byte alignment, and ints that are 1 or multiples of 16
+    (except the parameters marked do_not_specialize)."""
+    fn = getattr(launch.kernel, "fn", launch.kernel)
+    params = inspect.signature(fn).parameters
+    options = getattr(launch.kernel, "kwargs", None) or {}  # an interpreted kernel's jit options
+    fixed = set(options.get("do_not_specialize") or ())
+    fixed |= {p.name for p in getattr(launch.kernel, "params", ()) if p.do_not_specialize}
+    key = []
+    for name, value in sorted(launch.kwargs.items()):
+        if name not in params or "constexpr" in str(params[name].annotation):
+            key.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool) and name not in fixed:
+            key.append((name, "one" if value == 1 else ("d16" if value % 16 == 0 else "int")))
+        else:
+            key.append((name, type(value).__name__))
+    return (fn.__name__, tuple(key))
 
 
 def test_every_launched_variant_compiles_for_sm90():
     launches, labels, seen = [], [], set()
     for variant in VARIANTS:
         for launch in _launches(variant):
-            name = getattr(launch[0], "fn", launch[0]).__name__
-            key = (name, repr(sorted(launch[-1].items())), _arg_kinds(launch[0], launch[-2]))
+            key = _compile_key(launch)
             if key in seen:  # the same compiled kernel as an earlier variant
                 continue
             seen.add(key)
             launches.append(launch)
-            labels.append(f"{variant.label}:{name}")
+            labels.append(f"{variant.label}:{key[0]}")
     results = compile_launches(launches, labels=labels)
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
@@ -155,29 +219,23 @@ def test_every_launched_variant_compiles_for_sm90():
     assert not spilled, "register spills:\n" + "\n".join(spilled)
 
 
-def _arg_kinds(kernel, args: tuple) -> tuple:
-    """What Triton specialises a launch on besides constexprs: dtypes, and ints that are
-    1 or multiples of 16 (except the parameters marked do_not_specialize)."""
-    fn = getattr(kernel, "fn", kernel)
-    names = list(inspect.signature(fn).parameters)
-    options = getattr(kernel, "kwargs", None) or {}  # an interpreted kernel's jit options
-    fixed = set(options.get("do_not_specialize") or ())
-    fixed |= {p.name for p in getattr(kernel, "params", ()) if p.do_not_specialize}
-    kinds = []
-    for name, a in zip(names, args):
-        if isinstance(a, torch.Tensor):
-            kinds.append(str(a.dtype))
-        elif isinstance(a, int) and not isinstance(a, bool) and name not in fixed:
-            kinds.append("one" if a == 1 else ("d16" if a % 16 == 0 else "int"))
-        else:
-            kinds.append(type(a).__name__)
-    return tuple(kinds)
-
-
-def test_the_matrix_covers_the_tile_table():
-    labels = {v.label for v in VARIANTS}
-    for kind, pad, inputs in TILES:
-        assert f"{kind}-d{pad}-{inputs}" in labels
+def test_the_matrix_covers_the_rule():
+    """Every head size, GQA group, block size and cache kind, and both split forms."""
+    labels = " ".join(v.label for v in VARIANTS)
+    for part in (
+        "d64-",
+        "d128-",
+        "d256-",
+        "gqa1-",
+        "gqa4-",
+        "gqa8-",
+        "gqa16-",
+        "block32",
+        "block64",
+    ):
+        assert part in labels, part
+    for part in ("fp8", "fp32", "-split", "invariant", "m16-", "m32-", "m64-"):
+        assert part in labels, part
 
 
 @triton.jit

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pagedkv
 import pytest
 import torch
-from pagedkv import AttentionSpec, CommonAttentionMetadata
-from pagedkv.backends.triton.builder import TritonMetadataBuilder
+from pagedkv import AttentionSpec, CommonAttentionMetadata, GraphBounds
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.reference import reference_attention
 from pagedkv.spec import alibi_slopes
@@ -36,11 +35,12 @@ def _random_step(gen, num_reqs, max_tokens, max_blocks, block_size, pool, device
 
 
 def _reference(spec, kv_cache, query, seq_lens, block_ids, sinks):
+    k_view, v_view = BACKEND.kv_cache_to_logical(kv_cache, spec)
     keys, values = [], []
     for s, ids in zip(seq_lens, block_ids, strict=True):
         idx = torch.tensor(ids, device=kv_cache.device)
-        keys.append(kv_cache[0][idx].flatten(0, 1)[:s].double().cpu())
-        values.append(kv_cache[1][idx].flatten(0, 1)[:s].double().cpu())
+        keys.append(k_view[idx].flatten(0, 1)[:s].double().cpu())
+        values.append(v_view[idx].flatten(0, 1)[:s].double().cpu())
     n = len(seq_lens)
     return reference_attention(query[:n].cpu(), keys, values, [1] * n, spec, sinks)
 
@@ -64,8 +64,8 @@ def test_cuda_graph_replays_new_metadata(max_reqs, max_blocks, features):
     kv_cache = BACKEND.allocate_kv_cache(pool, spec, device)
     kv_cache.normal_()
     sinks = torch.randn(8, generator=gen).to(device) if spec.use_sinks else None
-    builder = TritonMetadataBuilder(spec, device)
-    builder.reserve_cuda_graph(max_reqs, max_reqs, max_blocks)
+    builder = BACKEND.make_builder(spec, device)
+    builder.reserve_cuda_graph(GraphBounds(max_reqs, max_reqs, max_blocks))
     impl = BACKEND.make_impl(spec, sinks=sinks)
     q = torch.randn(max_reqs, 8, 128, device=device, dtype=torch.bfloat16)
     k = torch.randn(max_reqs, 2, 128, device=device, dtype=torch.bfloat16)
@@ -95,7 +95,7 @@ def test_cuda_graph_replays_new_metadata(max_reqs, max_blocks, features):
         graph.replay()
         torch.cuda.synchronize()
         slots = common.slot_mapping[:num_reqs]
-        written = kv_cache[0].flatten(0, 1)[slots]
+        written = BACKEND.kv_cache_to_logical(kv_cache, spec)[0].flatten(0, 1)[slots]
         assert torch.equal(written, k[:num_reqs]), "the graph's KV write missed the new slots"
         want = _reference(spec, kv_cache, q, seq_lens, block_ids, sinks)
         got = out[:num_reqs].double().cpu()

@@ -33,6 +33,9 @@ class TorchBackend(AttentionBackend):
             }
         ),
         devices=frozenset({"cpu", "cuda"}),
+        # one request at a time, its own keys, a fixed chunking of its queries: nothing
+        # about the rest of the batch reaches a request's arithmetic
+        batch_invariant=True,
     )
 
     def get_builder_cls(self) -> type[AttentionMetadataBuilder[Any]]:

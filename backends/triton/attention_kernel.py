@@ -9,14 +9,20 @@ token's page up in the block table, with an online softmax in fp32 (base 2).
 Only the tiles some row can see are visited (causal horizon, sliding window); the
 tiles every row sees entirely are run without masks, the few boundary tiles with
 them. With splits (flash-decoding), split ``s`` takes its share of those tiles and
-writes an unnormalised partial result that ``reduce_kernel`` merges.
+writes an unnormalised partial result that ``reduce_kernel`` merges: an even share
+of the visited tiles (``tiles_per_split = 0``), or the fixed key range
+``[s, s + 1) * tiles_per_split * TILE_N`` of the sequence, which makes a row's
+arithmetic independent of the rest of the batch (the batch-invariant mode).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from pagedkv.toolkit.triton_helpers import fix_interpreter_loop_bounds
+from pagedkv.toolkit.interpreter import interpreting
+from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
+
+_LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
 
 
 @triton.jit
@@ -38,7 +44,7 @@ def find_sequence(QueryStartLoc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _tanh(x):
     # overflow-safe: exp2 saturates to inf or 0, giving exactly +1 or -1
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -109,7 +115,7 @@ def _attend_tile(
     # -- scores, base-2 units ----------------------------------------------------
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if USE_SOFTCAP:
-        s = (softcap * 1.4426950408889634) * _tanh(s / softcap)
+        s = (softcap * _LOG2E) * _tanh(s / softcap)
     if USE_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
     if MASKED:
@@ -134,7 +140,14 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# Scalars that vary from step to step and feed only scalar address arithmetic are not
+# specialised (Triton would otherwise compile a variant for == 1 and for multiples of
+# 16: a recompile mid-serving when the split count or the table width changes).
+@triton.jit(
+    do_not_specialize=[
+        "num_seqs", "window", "tiles_per_split", "stride_bt", "stride_mt", "stride_mh",
+    ]
+)  # fmt: skip
 def unified_attention_kernel(
     Out,  # [T, Hq, HEAD_SIZE] (unused when SPLIT)
     PartAcc,  # [T, Hq, splits, HEAD_PAD] fp32 (SPLIT only)
@@ -153,6 +166,7 @@ def unified_attention_kernel(
     softcap,
     v_scale,
     window,
+    tiles_per_split,  # 0: even shares of the visited tiles; > 0: fixed key ranges
     stride_qt,
     stride_qh,
     stride_ot,
@@ -217,12 +231,12 @@ def unified_attention_kernel(
     )
 
     if USE_ALIBI:
-        slope = tl.load(AlibiSlopes + head) * 1.4426950408889634
+        slope = tl.load(AlibiSlopes + head) * _LOG2E
     else:
         slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_SINKS and not SPLIT:
         # the sink joins the denominator: start from its logit with weight 1
-        m_i = tl.load(Sinks + head) * 1.4426950408889634
+        m_i = tl.load(Sinks + head) * _LOG2E
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -251,9 +265,15 @@ def unified_attention_kernel(
     full_tile_lo = tl.minimum(tl.cdiv(full_lo, TILE_N), tile_hi)
     full_tile_hi = tl.maximum(full_hi // TILE_N, full_tile_lo)
     # this split's share of the tiles
-    per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
-    first = tile_lo + split * per_split
-    last = tl.minimum(first + per_split, tile_hi)
+    if tiles_per_split > 0:
+        # a fixed key range per split, whatever the batch: the same tiles, in the same
+        # order, make up each partial result of a row in any batch
+        first = tl.maximum(split * tiles_per_split, tile_lo)
+        last = tl.minimum(split * tiles_per_split + tiles_per_split, tile_hi)
+    else:
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+        first = tile_lo + split * per_split
+        last = tl.minimum(first + per_split, tile_hi)
 
     block_table_row = BlockTable + seq.to(tl.int64) * stride_bt
     k_head_offset = kv_head.to(tl.int64) * stride_kh
@@ -300,5 +320,5 @@ def unified_attention_kernel(
         )
 
 
-if type(unified_attention_kernel).__name__ == "InterpretedFunction":
+if interpreting():
     fix_interpreter_loop_bounds()

@@ -1,29 +1,43 @@
-"""The Triton backend's layout, declared capabilities and where it can run."""
+"""The Triton backend's declaration: layout, capabilities, options, where it runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import os
-import sys
 from typing import Any, ClassVar
 
 import torch
-from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, BackendOption
-from pagedkv.backends.triton.configs import SPLIT_POLICY
+from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from pagedkv.backends.triton.configs import SPLIT_POLICY, check_forced_splits
 from pagedkv.capabilities import Capabilities, MultipleOf
+from pagedkv.errors import ConfigError
 from pagedkv.features import Feature
+from pagedkv.graph import GraphSupport
+from pagedkv.layout import KV_FIRST
+from pagedkv.options import BackendOption, OptionValue
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.interpreter import interpreter_problem
 
-_KERNEL_MODULE = "pagedkv.backends.triton.attention_kernel"
-
-
-def interpreting() -> bool:
-    """Whether the kernels run in Triton's interpreter. Decided when the kernel module
-    is first imported (TRITON_INTERPRET=1 then); until then, by the environment."""
-    module = sys.modules.get(_KERNEL_MODULE)
-    if module is not None:
-        return type(module.unified_attention_kernel).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET") == "1"
+_CAPABILITIES = Capabilities(
+    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+    kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
+    head_sizes=(MultipleOf(8, minimum=32, maximum=256),),
+    block_sizes=(MultipleOf(16),),
+    features=frozenset(
+        {
+            Feature.SLIDING_WINDOW,
+            Feature.LOGITS_SOFT_CAP,
+            Feature.ALIBI,
+            Feature.SINKS,
+            Feature.NON_CAUSAL,
+            Feature.FP8_KV,
+        }
+    ),
+    devices=frozenset({"cuda", "cpu"}),
+    # the launch geometry comes from the padded step only, for any max_query_len
+    cuda_graph=GraphSupport.MIXED,
+    notes=("cpu: only in Triton's interpreter (TRITON_INTERPRET=1), float16/float32",),
+)
 
 
 class TritonBackend(AttentionBackend):
@@ -32,30 +46,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     priority = 40
-    layout = "(2, num_blocks, block_size, num_kv_heads, head_size)"
-    block_axis = 1
-    capabilities = Capabilities(
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
-        head_sizes=(MultipleOf(8, minimum=32, maximum=256),),
-        block_sizes=(MultipleOf(16),),
-        features=frozenset(
-            {
-                Feature.SLIDING_WINDOW,
-                Feature.LOGITS_SOFT_CAP,
-                Feature.ALIBI,
-                Feature.SINKS,
-                Feature.NON_CAUSAL,
-                Feature.FP8_KV,
-                Feature.CUDA_GRAPH,
-            }
-        ),
-        devices=frozenset({"cuda", "cpu"}),
-        notes=(
-            "cpu: only in Triton's interpreter (TRITON_INTERPRET=1), float16/float32",
-            "cuda_graph: builder.reserve_cuda_graph(...) before capture",
-        ),
-    )
+    kv_layout = KV_FIRST
     option_specs: ClassVar[dict[str, BackendOption]] = {
         "num_splits": BackendOption(
             default=None,
@@ -64,17 +55,29 @@ class TritonBackend(AttentionBackend):
             minimum=0,
             maximum=SPLIT_POLICY.max_splits,
         ),
+        "batch_invariant": BackendOption(
+            default=False,
+            help="a request's output is bitwise the same whatever else is in the batch "
+            "(fixed keys per split, a fixed tile per layer, a batch-independent reduction order)",
+            kind=bool,
+        ),
     }
 
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def __init__(self, **options: OptionValue) -> None:
+        super().__init__(**options)
+        check_forced_splits(self.options["num_splits"])
+        if self.options["batch_invariant"] and self.options["num_splits"]:
+            raise ConfigError(
+                "options num_splits and batch_invariant=true exclude each other: a batch-"
+                "invariant backend splits every sequence into a fixed number of keys per split"
+            )
 
-    def kv_cache_to_logical(
-        self, kv_cache: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0], kv_cache[1]
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """The declared capabilities; ``batch_invariant`` when the option is set."""
+        if self.options["batch_invariant"]:
+            return dataclasses.replace(_CAPABILITIES, batch_invariant=True)
+        return _CAPABILITIES
 
     def missing_dependency(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
@@ -85,7 +88,7 @@ class TritonBackend(AttentionBackend):
         missing = self.missing_dependency()
         if missing:
             return False, missing
-        if not torch.cuda.is_available() and not interpreting():
+        if not torch.cuda.is_available() and interpreter_problem("cpu"):
             return False, (
                 "no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 "
                 "to run the kernels in Triton's interpreter"
@@ -95,11 +98,9 @@ class TritonBackend(AttentionBackend):
     def validate(self, spec: AttentionSpec, device: torch.device | str | None = None) -> list[str]:
         reasons = super().validate(spec, device)
         if device is not None and torch.device(device).type == "cpu":
-            if not interpreting():
-                reasons.append(
-                    "device cpu needs Triton's interpreter: set TRITON_INTERPRET=1 before the "
-                    "kernels are first imported"
-                )
+            problem = interpreter_problem("cpu")
+            if problem:
+                reasons.append(problem)
             if spec.dtype == torch.bfloat16 or spec.cache_dtype == torch.bfloat16:
                 reasons.append(
                     "bfloat16 on cpu: Triton's interpreter computes bfloat16 wrongly "

@@ -1,281 +1,161 @@
-"""The Triton backend's metadata: tile and split choices per step, and the fixed
-buffers that let a captured CUDA graph replay with new metadata.
+"""The Triton backend's metadata: the step's launch plan, made once per step.
 
-Every decision is made here, on the host, from the CPU copies in
-CommonAttentionMetadata; ``forward`` only launches kernels.
+``build_metadata`` chooses tiles and splits (``configs.plan_tiles``) and fills the
+launch templates: every kernel argument that does not depend on a layer's tensors
+(the step's metadata tensors, the split-KV partials, the grid, the tile constants),
+so that ``attend`` of every layer only adds its query, output and cache and
+launches. Under a CUDA-graph reservation the step arrives padded to the bounds,
+so the plan (and the partials, from ``self.scratch``) is the same every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from pagedkv.backend import AttentionMetadataBuilder
+from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
+from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
-    CPU_SM_COUNT,
-    SPLIT_POLICY,
-    SplitPolicy,
+    LayerShape,
+    StepShape,
     TileConfig,
-    choose_num_splits,
-    head_pad,
-    select_tile,
-    tile_kind,
+    TilePlan,
+    check_forced_splits,
+    plan_tiles,
+    reduce_warps,
 )
-from pagedkv.errors import ConfigError, MetadataError
+from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
+from pagedkv.intmath import next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.split_kv import num_sms
 
 
 @dataclass(frozen=True)
-class TritonMetadata:
-    """One step for the Triton kernels. B = num_seqs (padded in CUDA-graph mode)."""
+class TritonMetadata(BackendMetadata):
+    """One step for the Triton kernels (B = common.num_reqs, padded under a reservation).
 
-    query_start_loc: torch.Tensor  # [B+1] int32; padded requests repeat the last value
-    seq_lens: torch.Tensor  # [B] int32; padded requests have 0
-    block_table: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64; < 0 = padding
-    num_seqs: int  # B, the launch size
-    num_tokens: int  # T, rows of query/key/value/output
-    max_query_len: int  # upper bound; picks the tiles
-    tile: TileConfig
-    block_q: int  # query tokens per program: tile.block_m // GQA group
-    num_splits: int  # 1: single pass; > 1: split-KV partials + reduction
-    partial_acc: torch.Tensor | None  # [T, Hq, splits, head_pad] fp32
-    partial_max: torch.Tensor | None  # [T, Hq, splits] fp32
-    partial_sum: torch.Tensor | None  # [T, Hq, splits] fp32
+    ``attention`` and ``reduce`` are launch templates: the impl completes their
+    kwargs with one layer's tensors (query, output, cache views and their strides,
+    sinks, ALiBi slopes, the layer's scalars)."""
+
+    layer: LayerShape  # the layer shape the plan was made for
+    plan: TilePlan  # tiles and splits
+    attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
+    reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (T, Hq)
 
     @property
-    def num_query_blocks(self) -> int:
-        """Programs along the grid's first axis: an upper bound of the query blocks."""
-        return self.num_tokens // self.block_q + self.num_seqs
+    def tile(self) -> TileConfig:
+        return self.plan.tile
 
-
-@dataclass
-class _GraphBuffers:
-    """Fixed-address copies of the metadata tensors for CUDA-graph capture and replay."""
-
-    query_start_loc: torch.Tensor  # [max_num_reqs + 1] int32
-    seq_lens: torch.Tensor  # [max_num_reqs] int32
-    block_table: torch.Tensor  # [max_num_reqs, max_blocks_per_req] int32
-    slot_mapping: torch.Tensor  # [max_num_tokens] int64
-    max_query_len: int
-    tile: TileConfig
-    block_q: int
-    num_splits: int
-    partials: tuple[torch.Tensor, ...] | None
+    @property
+    def num_splits(self) -> int:
+        return self.plan.num_splits
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """Chooses tiles and splits per step; in CUDA-graph mode writes into fixed buffers.
+    """Chooses tiles and splits per step. Options: ``num_splits`` (0 = chosen per
+    step), ``batch_invariant`` (a plan that does not depend on the batch)."""
 
-    Eager: ``build`` wraps the step's own tensors. CUDA graphs: call
-    ``reserve_cuda_graph`` once, then every ``build`` copies the step into the same
-    buffers (padded to the reserved batch) and returns metadata with the same
-    launch geometry, so a graph captured on one step replays any later one.
-    Options: ``num_splits`` (0 = chosen per batch).
-    """
-
-    def __init__(
-        self,
-        spec: AttentionSpec,
-        device: torch.device | str,
-        *,
-        split_policy: SplitPolicy = SPLIT_POLICY,
-        **options: object,
-    ) -> None:
+    def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
         super().__init__(spec, device, **options)
-        self.split_policy = split_policy
-        forced = int(options.get("num_splits") or 0)
-        if not 0 <= forced <= split_policy.max_splits:
-            raise ConfigError(
-                f"option num_splits={forced}: expected 0 (auto) to {split_policy.max_splits}"
-            )
-        self.forced_splits = forced
-        self._sms: int | None = None
-        self._graph: _GraphBuffers | None = None
+        self.forced_splits = check_forced_splits(options.get("num_splits"))
+        self.batch_invariant = bool(options.get("batch_invariant"))
+        self.layer = LayerShape.of(spec)
+        self.num_sms = num_sms(self.device)
+        # stands in for the tensor arguments a launch never reads
+        self._unused = torch.zeros(1, dtype=torch.float32, device=self.device)
 
-    # -- decisions -------------------------------------------------------------------
-
-    def num_sms(self) -> int:
-        if self.device.type != "cuda":
-            return CPU_SM_COUNT
-        if self._sms is None:
-            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return self._sms
-
-    def choose(
-        self,
-        num_seqs: int,
-        num_tokens: int,
-        max_query_len: int,
-        max_seq_len: int,
-        num_splits: int | None = None,
-    ) -> tuple[TileConfig, int, int]:
-        """(tiles, query tokens per program, splits) for a batch of this shape;
-        ``num_splits`` overrides the split decision (tuning)."""
-        spec = self.spec
-        group = spec.num_queries_per_kv
-        tile = select_tile(
-            tile_kind(max_query_len, group), spec.head_size, spec.dtype, spec.kv_cache_dtype
-        )
-        block_m = max(tile.block_m, 1 << (group - 1).bit_length())
-        if block_m != tile.block_m:
-            tile = TileConfig(block_m, tile.tile_n, tile.num_warps, tile.num_stages)
-        block_q = block_m // group
-        splits = num_splits or self.forced_splits
-        if not splits:
-            query_blocks = min(
-                num_seqs * -(-max_query_len // block_q), num_tokens // block_q + num_seqs
-            )
-            programs = query_blocks * spec.num_kv_heads
-            splits = choose_num_splits(
-                self.split_policy, programs, max_query_len, max_seq_len, self.num_sms()
-            )
-        if splits > 1 and tile_kind(max_query_len, group) == "decode":
-            split_tile = select_tile(
-                "decode-split", spec.head_size, spec.dtype, spec.kv_cache_dtype
-            )
-            if split_tile.block_m == tile.block_m:  # same rows: the split decision stands
-                tile = split_tile
-        return tile, block_q, splits
-
-    def _partials(self, num_tokens: int, num_splits: int) -> tuple[torch.Tensor, ...] | None:
-        if num_splits <= 1:
-            return None
-        s = self.spec
-        shape = (num_tokens, s.num_heads, num_splits)
-        return (
-            torch.empty((*shape, head_pad(s.head_size)), dtype=torch.float32, device=self.device),
-            torch.empty(shape, dtype=torch.float32, device=self.device),
-            torch.empty(shape, dtype=torch.float32, device=self.device),
-        )
-
-    # -- eager --------------------------------------------------------------------------
-
-    def build(
+    def build_metadata(
         self,
         common: CommonAttentionMetadata,
         *,
         tile: TileConfig | None = None,
         num_splits: int | None = None,
     ) -> TritonMetadata:
-        """This step's metadata. ``tile`` / ``num_splits`` override the choices (tuning)."""
-        if self._graph is not None:
-            return self._build_into_graph_buffers(common)
-        chosen, block_q, splits = self.choose(
-            common.num_reqs, common.num_tokens, common.max_query_len, common.max_seq_len, num_splits
-        )
-        if tile is not None:
-            chosen = tile
-            block_q = tile.block_m // self.spec.num_queries_per_kv
-            if block_q < 1:
-                raise ConfigError(
-                    f"tile {tile}: block_m {tile.block_m} is smaller than the GQA group "
-                    f"{self.spec.num_queries_per_kv}"
-                )
-        partials = self._partials(common.num_tokens, splits)
-        return TritonMetadata(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            slot_mapping=common.slot_mapping,
-            num_seqs=common.num_reqs,
-            num_tokens=common.num_tokens,
-            max_query_len=common.max_query_len,
-            tile=chosen,
-            block_q=block_q,
-            num_splits=splits,
-            partial_acc=partials[0] if partials else None,
-            partial_max=partials[1] if partials else None,
-            partial_sum=partials[2] if partials else None,
-        )
-
-    # -- CUDA graphs ----------------------------------------------------------------------
-
-    def reserve_cuda_graph(
-        self,
-        max_num_reqs: int,
-        max_num_tokens: int,
-        max_blocks_per_req: int,
-        *,
-        max_query_len: int = 1,
-    ) -> None:
-        """Switch to fixed buffers sized for the largest batch a graph will replay.
-
-        From now on ``build`` pads every step to ``max_num_reqs`` requests and
-        ``max_num_tokens`` tokens (query/key/value/output must have that many rows)
-        and keeps the tiles and splits chosen here, for queries up to
-        ``max_query_len`` tokens and sequences up to ``max_blocks_per_req`` blocks.
-        """
-        for name, value in (
-            ("max_num_reqs", max_num_reqs),
-            ("max_num_tokens", max_num_tokens),
-            ("max_blocks_per_req", max_blocks_per_req),
-            ("max_query_len", max_query_len),
-        ):
-            if value <= 0:
-                raise ConfigError(f"{name} must be positive, got {value}")
-        max_seq_len = max_blocks_per_req * self.spec.block_size
-        tile, block_q, splits = self.choose(
-            max_num_reqs, max_num_tokens, max_query_len, max_seq_len
-        )
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self._graph = _GraphBuffers(
-            query_start_loc=torch.zeros(max_num_reqs + 1, **i32),
-            seq_lens=torch.zeros(max_num_reqs, **i32),
-            block_table=torch.zeros(max_num_reqs, max_blocks_per_req, **i32),
-            slot_mapping=torch.full((max_num_tokens,), -1, dtype=torch.int64, device=self.device),
-            max_query_len=max_query_len,
+        """This step's plan. ``tile`` / ``num_splits`` override the rule (tuning)."""
+        if self.graph_bounds is not None:
+            step = StepShape.of_bounds(common)  # shape-deciding inputs: the bounds only
+        else:
+            step = StepShape.of(common)
+        plan = plan_tiles(
+            self.layer,
+            step,
+            self.num_sms,
+            forced_splits=check_forced_splits(num_splits) or self.forced_splits,
+            batch_invariant=self.batch_invariant,
             tile=tile,
-            block_q=block_q,
-            num_splits=splits,
-            partials=self._partials(max_num_tokens, splits),
         )
-
-    def _build_into_graph_buffers(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        g = self._graph
-        assert g is not None
-        max_reqs, max_tokens = g.seq_lens.shape[0], g.slot_mapping.shape[0]
-        num_reqs, width = common.num_reqs, common.block_table.shape[1]
-        for name, got, cap in (
-            ("num_reqs", num_reqs, max_reqs),
-            ("num_tokens", common.num_tokens, max_tokens),
-            ("max_query_len", common.max_query_len, g.max_query_len),
-        ):
-            if got > cap:
-                raise MetadataError(
-                    f"{name} = {got} exceeds the CUDA-graph reservation ({cap}); "
-                    "call reserve_cuda_graph with a larger size"
-                )
-        if width > g.block_table.shape[1]:
-            needed = -(-common.max_seq_len // self.spec.block_size)
-            if needed > g.block_table.shape[1]:
-                raise MetadataError(
-                    f"block_table needs {needed} blocks per request but the CUDA-graph "
-                    f"reservation holds {g.block_table.shape[1]}"
-                )
-            width = g.block_table.shape[1]
-        # device-to-device copies and fills only: no host sync
-        g.query_start_loc[: num_reqs + 1].copy_(common.query_start_loc, non_blocking=True)
-        g.query_start_loc[num_reqs + 1 :].fill_(common.num_actual_tokens)
-        g.seq_lens[:num_reqs].copy_(common.seq_lens, non_blocking=True)
-        g.seq_lens[num_reqs:].zero_()
-        g.block_table[:num_reqs, :width].copy_(common.block_table[:, :width], non_blocking=True)
-        g.slot_mapping[: common.num_tokens].copy_(common.slot_mapping, non_blocking=True)
-        g.slot_mapping[common.num_tokens :].fill_(-1)
-        partials = g.partials
-        return TritonMetadata(
-            query_start_loc=g.query_start_loc,
-            seq_lens=g.seq_lens,
-            block_table=g.block_table,
-            slot_mapping=g.slot_mapping,
-            num_seqs=max_reqs,
-            num_tokens=max_tokens,
-            max_query_len=g.max_query_len,
-            tile=g.tile,
-            block_q=g.block_q,
-            num_splits=g.num_splits,
-            partial_acc=partials[0] if partials else None,
-            partial_max=partials[1] if partials else None,
-            partial_sum=partials[2] if partials else None,
+        s, layer, unused = self.spec, self.layer, self._unused
+        num_reqs, num_tokens = common.num_reqs, common.num_tokens
+        acc = stat_max = stat_sum = unused
+        if plan.split:
+            shape = (num_tokens, s.num_heads, plan.num_splits)
+            acc = self.scratch("partial_acc", (*shape, layer.head_pad), torch.float32)
+            stat_max = self.scratch("partial_max", shape, torch.float32)
+            stat_sum = self.scratch("partial_sum", shape, torch.float32)
+        acc_strides = acc.stride() if plan.split else (0, 0, 0)
+        stat_strides = stat_max.stride() if plan.split else (0, 0)
+        t = plan.tile
+        attention = KernelLaunch(
+            unified_attention_kernel,
+            (num_tokens // plan.block_q + num_reqs, s.num_kv_heads, plan.num_splits),
+            dict(
+                PartAcc=acc,
+                PartMax=stat_max,
+                PartSum=stat_sum,
+                BlockTable=common.block_table,
+                SeqLens=common.seq_lens,
+                QueryStartLoc=common.query_start_loc,
+                Sinks=unused,
+                AlibiSlopes=unused,
+                num_seqs=num_reqs,
+                tiles_per_split=plan.tiles_per_split,
+                stride_bt=common.block_table.stride(0),
+                stride_pt=acc_strides[0],
+                stride_ph=acc_strides[1],
+                stride_ps=acc_strides[2],
+                stride_mt=stat_strides[0],
+                stride_mh=stat_strides[1],
+                HEAD_SIZE=s.head_size,
+                HEAD_PAD=layer.head_pad,
+                BLOCK_SIZE=s.block_size,
+                GROUP=layer.group,
+                BLOCK_M=t.block_m,
+                BLOCK_Q=plan.block_q,
+                TILE_N=t.tile_n,
+                SPLIT=plan.split,
+                DOT_PRECISION="ieee" if layer.fp32 else "tf32",
+                num_warps=t.num_warps,
+                num_stages=t.num_stages,
+            ),
         )
+        reduce = None
+        if plan.split:
+            split_pad = next_power_of_2(plan.num_splits)
+            reduce = KernelLaunch(
+                reduce_splits_kernel,
+                (num_tokens, s.num_heads),
+                dict(
+                    PartAcc=acc,
+                    PartMax=stat_max,
+                    PartSum=stat_sum,
+                    Sinks=unused,
+                    QueryStartLoc=common.query_start_loc,
+                    num_seqs=num_reqs,
+                    num_splits=plan.num_splits,
+                    stride_pt=acc_strides[0],
+                    stride_ph=acc_strides[1],
+                    stride_ps=acc_strides[2],
+                    stride_mt=stat_strides[0],
+                    stride_mh=stat_strides[1],
+                    HEAD_SIZE=s.head_size,
+                    HEAD_PAD=layer.head_pad,
+                    SPLIT_PAD=split_pad,
+                    ORDERED=plan.ordered_reduction,
+                    num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
+                ),
+            )
+        return TritonMetadata(common, layer, plan, attention, reduce)

@@ -1,14 +1,107 @@
-"""Tile and split choices of the Triton kernels: data, tuned with benchmarks/triton_sweep.py.
+"""How the Triton kernels tile a step: the rule that picks rows per program, keys per
+inner step, warps, stages and KV splits from the shape of the step and the GPU.
 
-Nothing here imports triton, so the builder can decide on the host before any
-kernel module is loaded.
+Data and rules only: nothing here imports triton, so the builder decides on the host,
+from the CPU copies of the metadata, before a kernel module is loaded. The rule is a
+small model of the work of one program (CTA); docs/triton.md gives the reasoning,
+and lists the constants below that are measurements to repeat on a new GPU.
+
+- A program owns BLOCK_M rows: BLOCK_M // GROUP query tokens of one request times the
+  GROUP query heads of one KV head. For each key it visits it reads the key's K and V
+  rows (2 * D * cache bytes) and computes BLOCK_M * 4 * D flops, masked rows included.
+- **Rows** (``choose_block_m``): the step's cost at each candidate BLOCK_M is
+  max(compute, memory), in (row, key) products: compute counts every row of every
+  program at the rate of the MMA that BLOCK_M allows; memory counts each request's
+  keys once from HBM and their re-reads by the request's other query blocks at L2's
+  price. The cheapest wins; near-ties go to fewer rows (more programs, fewer
+  registers). So decodes keep one small block per request, long queries take 64-row
+  blocks, and a mixed step takes whichever its work favours.
+- **Keys per step, warps, stages** (``choose_tile``): within explicit register and
+  shared-memory limits (tests/test_triton_compile.py compiles the variants for sm_90
+  and fails on spills). A memory-bound program takes the smallest key tile that keeps
+  enough K/V bytes in flight per SM; a compute-bound one keeps its score tile small,
+  since Triton does not overlap the softmax with the MMAs.
+- **Splits** (``plan_tiles``): the toolkit's SplitPolicy with this backend's numbers,
+  over the programs the chosen rows give.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from pagedkv.errors import ConfigError
+from pagedkv.intmath import cdiv, next_power_of_2
+from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.split_kv import SplitPolicy
+
+# -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
+# Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
+# products a program computes in the time one key's K and V rows arrive from HBM.
+KERNEL_TFLOPS = 274.0  # causal prefill 8 x 2048, bf16, 64-row programs (wgmma)
+KERNEL_TBPS = 4.09  # decode 64 x 4096, bf16: K/V streamed at 96% of copy bandwidth
+# Hopper's wgmma multiplies 64 rows per warpgroup; below 64 rows Triton emits mma.sync,
+# assumed to reach half the rate (to measure).
+MMA_SYNC_SHARE = 0.5
+# fp32 layers run IEEE dots on CUDA cores (TF32 would miss the fp32 tolerance): FMA
+# throughput, assumed an eighth of the 16-bit tensor rate (to measure).
+FP32_DOT_SHARE = 0.125
+# A request's K/V re-read by its other query blocks comes mostly from L2, assumed at
+# three times HBM's bandwidth (to measure).
+L2_REREAD_COST = 1 / 3
+# Rows that differ in cost by less than this are a tie, won by fewer rows.
+ROWS_TIE = 0.05
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+
+# -- the SM: limits of sm_90, and how much a program may use of them --------------------
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 227 * 1024
+# The register estimate's budget: 255 is the hardware limit, the margin absorbs the
+# estimate's error (tests/test_triton_compile.py is the real check)
+REGISTER_BUDGET = 240
+# estimate_registers, fitted to ptxas on sm_90 (Triton 3.6; decode and prefill tiles of
+# D 64-256, 4 and 8 warps; docs/triton.md)
+REGISTERS_BASE = 44
+REGISTERS_PER_KV_16BIT = 1.5
+# fp8 tiles: m16-n64 at D 128 compiled to 151 registers, and with the split epilogue
+# to 168 and a 4-byte spill, so fp8 is costed at twice the 16-bit rate
+REGISTERS_PER_KV_FP8 = 3.0
+REGISTERS_PER_KV_FP32 = 6.0
+# padded head sizes (D 192 in a 256-wide tile): m16-n32 spilled 8 bytes at 168 registers
+# where D 256 compiled to 168 without a spill
+REGISTERS_PER_KV_MASKED = 1.5
+# keys per inner step: tl.dot needs 16; 256-key tiles spilled in 4 of the 6 measured
+# layers, and 128 keys already keep enough bytes in flight at D >= 64
+TILE_N_CHOICES = (16, 32, 64, 128)
+# Memory-bound programs: K/V bytes of in-flight tiles per SM that saturate HBM. H200
+# decode 64 x 4096: 3 programs x 32 KiB (m16-n64) and 2 x 64 KiB (m16-n128) both ran at
+# 96% of copy bandwidth, 4 x 16 KiB (m16-n32) 8% slower.
+BYTES_IN_FLIGHT_PER_SM = 96 * 1024
+# Compute-bound programs: fp32 score values per thread. H200 prefill 8 x 2048, D 128:
+# m64-n32-w4 (16 per thread) 1012 us against 1113 us for m128-n64-w8 (32).
+SCORES_PER_THREAD = 16
+# ... and at least this many keys per step: each step rescales the accumulator on CUDA
+# cores, ~15x slower than the tensor cores on Hopper, which adds 15 / (4 * TILE_N) to the
+# step's MMA time: ~25% at 16 keys, ~12% at 32
+MIN_COMPUTE_TILE_N = 32
+
+# -- splits ------------------------------------------------------------------------------
+# Split (flash-decoding) when queries are short and the grid has fewer than 2 programs
+# per SM, up to 4 per SM, at least 512 keys per split, at most 64 splits (the width the
+# reduction kernel merges at once).
+SPLIT_POLICY = SplitPolicy(
+    max_query_len=8,
+    split_below_programs_per_sm=2.0,
+    target_programs_per_sm=4.0,
+    min_keys_per_split=512,
+    max_splits=64,
+)
+# The batch-invariant mode's split: a fixed key range per split, whatever the batch and
+# the GPU (as many programs per request as the default gives one long request).
+BATCH_INVARIANT_KEYS_PER_SPLIT = 512
 
 
 @dataclass(frozen=True)
@@ -24,125 +117,358 @@ class TileConfig:
         return f"m{self.block_m}-n{self.tile_n}-w{self.num_warps}-s{self.num_stages}"
 
 
-# Batches whose longest query needs at most this many rows (query tokens x GQA group)
-# use the decode tiles; others the prefill tiles.
-DECODE_MAX_ROWS = 16
+@dataclass(frozen=True)
+class LayerShape:
+    """What the tiles depend on in a layer. Two layers with equal shapes (the compared
+    fields) can share a step's plan."""
 
-# (kind, padded head size, dot inputs) -> tiles; kind is "decode", "decode-split" or
-# "prefill"; dot inputs are "16-bit" (fp16/bf16), "16-bit-fp8" (over an fp8 cache;
-# falls back to "16-bit"), "fp32" or "fp32-fp8" (an fp32 model over an fp8 cache). Decode is
-# memory-bound: 16 rows, and key tiles of 4096 elements, small enough (~100-140
-# registers at 4 warps, sm_90) that 4 programs fit an SM and 64 x 4096 runs in one
-# wave. Prefill is compute-bound: 128 rows per K/V tile (wgmma on Hopper). fp32 runs
-# IEEE dots on CUDA cores, which hold both operands in registers: small tiles, or
-# they spill; over fp8 caches even the software pipeline's second buffer spills, so
-# those run unpipelined. Starting points: benchmarks/triton_sweep.py measures the
-# alternatives; tests/test_triton_compile.py checks every row compiles without spills.
-TILES: dict[tuple[str, int, str], TileConfig] = {
-    ("decode", 32, "16-bit"): TileConfig(16, 128, 4, 3),
-    ("decode", 64, "16-bit"): TileConfig(16, 64, 4, 3),
-    # H200, bf16, Hq32/Hkv8, block 16 (docs/benchmarks.md): 272.6 us for 64 x 4096
-    # against 293.9 us with (16, 32, 4, 3)
-    ("decode", 128, "16-bit"): TileConfig(16, 128, 4, 2),
-    ("decode", 256, "16-bit"): TileConfig(16, 16, 4, 3),
-    ("prefill", 32, "16-bit"): TileConfig(128, 64, 4, 3),
-    ("prefill", 64, "16-bit"): TileConfig(128, 64, 8, 3),
-    # H200 prefill 8 x 2048 causal: 1012 us, against 1113 us for (128, 64, 8, 3); the
-    # fastest measured, (128, 32, 4, 2) at 938 us, spills registers on sm_90
-    ("prefill", 128, "16-bit"): TileConfig(64, 32, 4, 2),
-    ("prefill", 256, "16-bit"): TileConfig(64, 64, 8, 2),
-    # a 16-bit model over an fp8 cache: the upcast needs registers, and the tuned
-    # 16-bit decode tiles spill there on sm_90
-    ("decode", 128, "16-bit-fp8"): TileConfig(16, 32, 4, 3),
-    # split decode (few long sequences): H200 4 x 32k, 142.8 us against 162.8 us with (16, 32, 4, 3)
-    ("decode-split", 128, "16-bit"): TileConfig(16, 64, 4, 2),
-    ("decode", 32, "fp32"): TileConfig(16, 64, 4, 3),
-    ("decode", 64, "fp32"): TileConfig(16, 32, 4, 3),
-    ("decode", 128, "fp32"): TileConfig(16, 16, 4, 3),
-    ("decode", 256, "fp32"): TileConfig(16, 16, 4, 3),
-    ("prefill", 32, "fp32"): TileConfig(32, 32, 4, 2),
-    ("prefill", 64, "fp32"): TileConfig(32, 32, 4, 2),
-    ("prefill", 128, "fp32"): TileConfig(16, 16, 4, 2),
-    ("prefill", 256, "fp32"): TileConfig(16, 16, 4, 2),
-    ("decode", 32, "fp32-fp8"): TileConfig(16, 64, 4, 1),
-    ("decode", 64, "fp32-fp8"): TileConfig(16, 32, 4, 1),
-    ("decode", 128, "fp32-fp8"): TileConfig(16, 16, 4, 1),
-    ("decode", 256, "fp32-fp8"): TileConfig(16, 16, 4, 1),
-    ("prefill", 32, "fp32-fp8"): TileConfig(32, 32, 4, 1),
-    ("prefill", 64, "fp32-fp8"): TileConfig(32, 32, 4, 1),
-    ("prefill", 128, "fp32-fp8"): TileConfig(16, 16, 4, 1),
-    ("prefill", 256, "fp32-fp8"): TileConfig(16, 16, 4, 1),
-}
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    # read by the cost model only: a plan stays valid for another mask
+    causal: bool = field(compare=False)
+    window: int | None = field(compare=False)
+
+    @staticmethod
+    def of(spec: AttentionSpec) -> LayerShape:
+        return _layer_shape(spec)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (rows per query token)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def head_pad(self) -> int:
+        """The head size rounded up to a power of two, at least 16 (tl.dot's minimum)."""
+        return max(16, next_power_of_2(self.head_size))
+
+    @property
+    def fp32(self) -> bool:
+        """IEEE fp32 dots on CUDA cores, both operands in registers."""
+        return self.dtype == torch.float32
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_dtype.itemsize
+
+    def describe(self) -> str:
+        cache = "" if self.cache_dtype == self.dtype else f" over {self.cache_dtype}"
+        return (
+            f"Hq {self.num_heads}, Hkv {self.num_kv_heads}, D {self.head_size}, block "
+            f"{self.block_size}, {self.dtype}{cache}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_shape(spec: AttentionSpec) -> LayerShape:
+    # cached: the builder's and the impl's shapes of one spec are then one object
+    return LayerShape(
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_size,
+        spec.block_size,
+        spec.dtype,
+        spec.cache_dtype,
+        spec.causal,
+        spec.sliding_window,
+    )
 
 
 @dataclass(frozen=True)
-class SplitPolicy:
-    """When decode splits each sequence's keys over several programs (flash-decoding).
+class StepShape:
+    """What the rule reads of a step: each request's query and sequence length."""
 
-    A batch is split when its longest query is short and it has fewer than
-    ``split_below_programs_per_sm`` programs per SM: then each sequence's keys are
-    cut into enough splits for ``target_programs_per_sm``, keeping at least
-    ``min_keys_per_split`` keys each.
-    """
+    query_lens: np.ndarray  # [B] int
+    seq_lens: np.ndarray  # [B] int
 
-    max_query_len: int = 8
-    split_below_programs_per_sm: int = 2
-    target_programs_per_sm: int = 4
-    min_keys_per_split: int = 512
-    max_splits: int = 64  # also the reduction kernel's widest split axis
+    @staticmethod
+    def of(common: CommonAttentionMetadata) -> StepShape:
+        qsl = common.query_start_loc_cpu.numpy()
+        return StepShape(qsl[1:] - qsl[:-1], common.seq_lens_cpu.numpy())
 
+    @staticmethod
+    def of_bounds(common: CommonAttentionMetadata) -> StepShape:
+        """A step padded to CUDA-graph bounds, seen through its bounds only (so the plan
+        is the same every step): as many full-length queries as the token rows hold,
+        over the longest sequences."""
+        q = max(1, common.max_query_len)
+        n = max(1, min(common.num_reqs, common.num_tokens // q))
+        return StepShape(np.full(n, q, dtype=np.int64), np.full(n, common.max_seq_len, np.int64))
 
-SPLIT_POLICY = SplitPolicy()
-# Without a GPU (Triton's interpreter) there is no SM count; this stands in for it,
-# small enough that only few-sequence, long-context batches split there too.
-CPU_SM_COUNT = 4
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_lens.max(initial=0))
 
-
-def head_pad(head_size: int) -> int:
-    """The head size rounded up to a power of two (at least 16: tl.dot's minimum)."""
-    return max(16, 1 << (head_size - 1).bit_length())
-
-
-def tile_kind(max_query_len: int, group: int) -> str:
-    return "decode" if max_query_len * group <= DECODE_MAX_ROWS else "prefill"
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
 
 
-def dot_inputs(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
-    if dtype != torch.float32:
-        return "16-bit" if kv_cache_dtype == "auto" else "16-bit-fp8"
-    return "fp32" if kv_cache_dtype == "auto" else "fp32-fp8"
+@dataclass(frozen=True)
+class TilePlan:
+    """A step's tiles and splits."""
+
+    tile: TileConfig
+    block_q: int  # query tokens per program: tile.block_m // GQA group
+    num_splits: int  # programs per query block along the keys
+    split: bool  # partial results + reduction (num_splits > 1, or batch-invariant)
+    tiles_per_split: int  # 0: even shares of the visited tiles; > 0: fixed key ranges
+    ordered_reduction: bool  # merge the splits one by one, in order
 
 
-def select_tile(
-    kind: str, head_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-) -> TileConfig:
-    """The tiles for a batch kind ("decode" or "prefill"), head size, model and cache dtype."""
-    pad = min(256, max(32, head_pad(head_size)))
-    inputs = dot_inputs(dtype, kv_cache_dtype)
-    # most specific first: a split-decode row falls back to the decode row, and a
-    # 16-bit model over an fp8 cache to the 16-bit rows
-    kinds = (kind, "decode") if kind == "decode-split" else (kind,)
-    families = (inputs, "16-bit") if inputs == "16-bit-fp8" else (inputs,)
-    for family in families:
-        for k in kinds:
-            if (k, pad, family) in TILES:
-                return TILES[(k, pad, family)]
-    raise KeyError(f"no tile for {kind}, head size {head_size} (padded {pad}), {inputs}")
+# -- rows ------------------------------------------------------------------------------
 
 
-def choose_num_splits(
-    policy: SplitPolicy,
-    num_programs: int,
-    max_query_len: int,
-    max_seq_len: int,
+def rows_per_key(layer: LayerShape) -> float:
+    """(row, key) products at the full tensor rate in the time one key's K and V rows
+    (2 * D * cache bytes) arrive: cache_bytes * flops-per-byte / 2."""
+    return layer.cache_bytes * KERNEL_TFLOPS / KERNEL_TBPS / 2
+
+
+def mma_rate(layer: LayerShape, block_m: int) -> float:
+    """The MMA rate of a program of ``block_m`` rows, relative to wgmma's."""
+    if layer.fp32:
+        return FP32_DOT_SHARE
+    return 1.0 if block_m >= 64 else MMA_SYNC_SHARE
+
+
+def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, float]:
+    """(compute, memory) of a step at ``block_m`` rows, in (row, key) products at the
+    full tensor rate (per KV head; every KV head costs the same)."""
+    live = step.query_lens > 0
+    q, seq = step.query_lens[live], step.seq_lens[live]
+    block_q = block_m // layer.group
+    blocks = -(-q // block_q)
+    context = seq - q
+    # causal: a query block sees its context and, on average, half its queries
+    keys = np.minimum(seq, context + (q + block_q) / 2) if layer.causal else seq.astype(np.float64)
+    distinct = seq.astype(np.float64)  # keys the request's blocks read between them
+    if layer.window is not None:
+        keys = np.minimum(keys, layer.window + block_q)
+        distinct = np.minimum(distinct, layer.window + q)
+    compute = float((blocks * block_m * keys).sum()) / mma_rate(layer, block_m)
+    memory = float((distinct + L2_REREAD_COST * (blocks - 1) * keys).sum()) * rows_per_key(layer)
+    return compute, memory
+
+
+@functools.lru_cache(maxsize=1024)
+def block_m_candidates(layer: LayerShape) -> tuple[int, ...]:
+    """Row counts a program may have: whole GQA groups, and a tile within the limits.
+    fp32 dots keep both operands in registers: they stay at the fewest rows."""
+    least = max(16, next_power_of_2(layer.group))
+    if layer.fp32:
+        return (least,)
+    return tuple(m for m in BLOCK_M_CHOICES if m >= least and _fitting_tiles(layer, m)) or (least,)
+
+
+def choose_block_m(layer: LayerShape, step: StepShape) -> tuple[int, bool]:
+    """(rows per program, whether the step is memory-bound at those rows)."""
+    candidates = block_m_candidates(layer)
+    least = candidates[0]
+    if step.max_query_len * layer.group <= least:
+        # every request fits one program of the fewest rows: more rows only add compute;
+        # each program then computes `least` rows per key it reads
+        return least, rows_per_key(layer) * mma_rate(layer, least) >= least
+    costs = {m: step_cost(layer, step, m) for m in candidates}
+    best = min(max(c) for c in costs.values())
+    block_m = min(m for m, c in costs.items() if max(c) <= best * (1 + ROWS_TIE))
+    compute, memory = costs[block_m]
+    return block_m, memory >= compute
+
+
+# -- keys per step, warps, stages --------------------------------------------------------
+
+
+def kv_per_thread(layer: LayerShape, tile_n: int, num_warps: int) -> float:
+    """Elements of one K (or V) tile each thread holds on its way to the MMA."""
+    return tile_n * layer.head_pad / (32 * num_warps)
+
+
+def fp32_values_per_thread(layer: LayerShape, block_m: int, tile_n: int, num_warps: int) -> float:
+    """The accumulator [BLOCK_M, D] and the score tile [BLOCK_M, TILE_N], per thread."""
+    return block_m * (layer.head_pad + tile_n) / (32 * num_warps)
+
+
+def estimate_registers(layer: LayerShape, block_m: int, tile_n: int, num_warps: int) -> float:
+    """Registers per thread on sm_90: a base, one per fp32 accumulator and score value,
+    and a cost per element of the thread's share of a K/V tile, which passes through
+    registers on its way to the MMA (fp8 tiles are also upcast there, padded head
+    sizes carry a mask per element, fp32 dots keep both operands there). Fitted to
+    ptxas (docs/triton.md): it overestimates the largest tiles, so the rule errs
+    towards smaller ones."""
+    if layer.fp32:
+        per_kv = REGISTERS_PER_KV_FP32
+    elif layer.cache_bytes == 1:
+        per_kv = REGISTERS_PER_KV_FP8
+    else:
+        per_kv = REGISTERS_PER_KV_16BIT
+    if layer.head_size != layer.head_pad:
+        per_kv += REGISTERS_PER_KV_MASKED
+    return (
+        REGISTERS_BASE
+        + fp32_values_per_thread(layer, block_m, tile_n, num_warps)
+        + per_kv * kv_per_thread(layer, tile_n, num_warps)
+    )
+
+
+def estimate_shared(layer: LayerShape, block_m: int, tile_n: int) -> int:
+    """Shared memory of one program: a K and a V tile, the query and the probabilities
+    (the gathered K/V loads are not multi-buffered, whatever num_stages says)."""
+    kv = 2 * tile_n * layer.head_pad * layer.cache_bytes
+    return kv + block_m * (layer.head_pad + tile_n) * layer.dtype.itemsize
+
+
+def fits(layer: LayerShape, block_m: int, tile_n: int, num_warps: int) -> bool:
+    """Whether a tile stays within the limits that keep ptxas from spilling on sm_90
+    (checked by tests/test_triton_compile.py) and within shared memory."""
+    if estimate_shared(layer, block_m, tile_n) > SHARED_PER_SM:
+        return False
+    if layer.fp32:  # the estimate does not hold for FMA dots: a direct limit instead
+        return tile_n == TILE_N_CHOICES[0] or kv_per_thread(layer, tile_n, num_warps) <= 16
+    return estimate_registers(layer, block_m, tile_n, num_warps) <= REGISTER_BUDGET
+
+
+def _fitting_tiles(layer: LayerShape, block_m: int) -> list[TileConfig]:
+    """Every tile of ``block_m`` rows within the limits."""
+    out = []
+    for warps in (4, 8):
+        if warps == 8 and block_m < 64:
+            continue  # fewer rows than two warpgroups' MMAs: more warps only add copies
+        out += [
+            TileConfig(block_m, tile_n, warps, num_stages(layer))
+            for tile_n in TILE_N_CHOICES
+            if fits(layer, block_m, tile_n, warps)
+        ]
+    return out
+
+
+def programs_per_sm(layer: LayerShape, tile: TileConfig) -> int:
+    """Programs one SM holds at once, by registers (at most 255 per thread, allocated in
+    8s) and shared memory."""
+    regs = min(255.0, estimate_registers(layer, tile.block_m, tile.tile_n, tile.num_warps))
+    by_registers = REGISTERS_PER_SM // (int(regs + 7) // 8 * 8 * 32 * tile.num_warps)
+    by_shared = SHARED_PER_SM // estimate_shared(layer, tile.block_m, tile.tile_n)
+    return max(1, min(by_registers, by_shared))
+
+
+def num_stages(layer: LayerShape) -> int:
+    """Software-pipelining depth: 2 overlaps the next page-table lookups and loads with
+    the current tile. Triton does not multi-buffer the gathered K/V loads (shared memory
+    is the same at 2 and 3 stages), deeper pipelines only cost registers, and the H200
+    sweep found 2 to 5 stages within 1% on decode. An fp32 layer over an fp8 cache
+    (upcast and FMA operands in registers) spills even its smallest tile pipelined."""
+    return 1 if layer.fp32 and layer.cache_bytes == 1 else 2
+
+
+@functools.lru_cache(maxsize=1024)  # a function of the layer's shape: once per shape
+def choose_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> TileConfig:
+    """Keys per step and warps for programs of ``block_m`` rows: one warpgroup, unless
+    only two can hold a useful tile."""
+    fitting = _fitting_tiles(layer, block_m)
+    for warps in (4, 8):
+        tiles = [t for t in fitting if t.num_warps == warps]
+        if memory_bound and tiles:
+            # the smallest key step with enough K/V bytes in flight per SM to saturate
+            # HBM (fewer registers: more programs for the tail); short of that, the
+            # most bytes in flight, in the fewest steps
+            def in_flight(t: TileConfig) -> int:
+                tile_bytes = 2 * t.tile_n * layer.head_pad * layer.cache_bytes
+                return programs_per_sm(layer, t) * tile_bytes
+
+            enough = [t for t in tiles if in_flight(t) >= BYTES_IN_FLIGHT_PER_SM]
+            if enough:
+                return min(enough, key=lambda t: t.tile_n)
+            return max(tiles, key=lambda t: (in_flight(t), t.tile_n))
+        # compute-bound: the widest key step whose score tile stays within its budget,
+        # and wide enough to amortise the per-step softmax rescaling
+        useful = [
+            t
+            for t in tiles
+            if t.tile_n >= MIN_COMPUTE_TILE_N
+            and block_m * t.tile_n <= SCORES_PER_THREAD * 32 * warps
+        ]
+        if useful:
+            return max(useful, key=lambda t: t.tile_n)
+    if fitting:
+        return min(fitting, key=lambda t: (t.num_warps, t.tile_n))
+    # only rows that are not candidates get here (an explicit tile override's rows)
+    return TileConfig(block_m, TILE_N_CHOICES[0], 8 if block_m >= 64 else 4, num_stages(layer))
+
+
+# -- splits ------------------------------------------------------------------------------
+
+
+def check_forced_splits(value: object) -> int:
+    """The ``num_splits`` option as an int: 0 (choose per step) to SPLIT_POLICY.max_splits."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"option num_splits={value!r}: expected an int")
+    if not 0 <= value <= SPLIT_POLICY.max_splits:
+        raise ConfigError(
+            f"option num_splits={value}: expected 0 (auto) to {SPLIT_POLICY.max_splits}"
+        )
+    return value
+
+
+def plan_tiles(
+    layer: LayerShape,
+    step: StepShape,
     num_sms: int,
-) -> int:
-    """Splits per sequence for a batch of ``num_programs`` (query blocks x KV heads)."""
-    if max_query_len > policy.max_query_len or num_programs <= 0:
-        return 1
-    if num_programs >= policy.split_below_programs_per_sm * num_sms:
-        return 1
-    target = policy.target_programs_per_sm * num_sms
-    by_occupancy = -(-target // num_programs)
-    by_length = max(1, max_seq_len // policy.min_keys_per_split)
-    return max(1, min(policy.max_splits, by_occupancy, by_length))
+    *,
+    forced_splits: int = 0,
+    batch_invariant: bool = False,
+    tile: TileConfig | None = None,
+) -> TilePlan:
+    """The tiles and splits of a step (``tile`` overrides the rule's tile)."""
+    if batch_invariant:
+        if forced_splits:
+            raise ConfigError(
+                f"num_splits={forced_splits}: a batch-invariant plan splits every sequence "
+                f"into {BATCH_INVARIANT_KEYS_PER_SPLIT}-key ranges, not into a count"
+            )
+        # nothing may depend on the batch: the layer's decode tile, fixed key ranges
+        tile = tile or invariant_tile(layer)
+        keys = max(tile.tile_n, BATCH_INVARIANT_KEYS_PER_SPLIT // tile.tile_n * tile.tile_n)
+        splits = max(1, cdiv(step.max_seq_len, keys))
+        return TilePlan(tile, _block_q(layer, tile), splits, True, keys // tile.tile_n, True)
+    if tile is None:
+        block_m, memory_bound = choose_block_m(layer, step)
+        tile = choose_tile(layer, block_m, memory_bound)
+    block_q = _block_q(layer, tile)
+    query_blocks = int((-(-step.query_lens // block_q)).sum())
+    choice = SPLIT_POLICY.choose(
+        query_blocks * layer.num_kv_heads,
+        step.max_query_len,
+        step.max_seq_len,
+        num_sms,
+        forced=forced_splits,
+        granule=tile.tile_n,
+    )
+    split = choice.num_splits > 1
+    return TilePlan(tile, block_q, choice.num_splits, split, 0, False)
+
+
+def invariant_tile(layer: LayerShape) -> TileConfig:
+    """The batch-invariant mode's one tile per layer: the decode tile (the mode's
+    speed target is decode; prefills run with it too)."""
+    block_m = max(16, next_power_of_2(layer.group))
+    return choose_tile(layer, block_m, memory_bound=True)
+
+
+def _block_q(layer: LayerShape, tile: TileConfig) -> int:
+    block_q = tile.block_m // layer.group
+    if block_q < 1:
+        raise ConfigError(
+            f"tile {tile}: block_m {tile.block_m} is smaller than the GQA group {layer.group}"
+        )
+    return block_q
+
+
+def reduce_warps(split_pad: int, head_pad: int, ordered: bool) -> int:
+    """Warps of the reduction: 8 when one program merges a wide [splits, D] tile at once."""
+    return 8 if not ordered and split_pad * head_pad > 8192 else 4

@@ -4,15 +4,25 @@ Grid ``(T, Hq)``: one program per (token, query head) rescales each split's
 unnormalised accumulator by exp2(max_s - max) and divides by the merged
 denominator, to which the attention sink (if any) contributes its own term.
 Padding tokens (past query_start_loc[num_seqs]) are skipped.
+
+``ORDERED`` merges split by split, in split order: a row's sums then see the same
+terms in the same order whatever the number of splits of the launch (splits past a
+row's keys add exact zeros), which the batch-invariant mode needs. Otherwise all
+splits are merged at once (a tree reduction whose order follows ``SPLIT_PAD``).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from pagedkv.toolkit.interpreter import interpreting
+from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
+
+_LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+# step-dependent scalars of scalar address arithmetic: one compiled variant for all
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_mt", "stride_mh"])
 def reduce_splits_kernel(
     Out,  # [T, Hq, HEAD_SIZE]
     PartAcc,  # [T, Hq, splits, HEAD_PAD] fp32
@@ -33,41 +43,57 @@ def reduce_splits_kernel(
     HEAD_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(QueryStartLoc + num_seqs):
         return
     token = token.to(tl.int64)
-    splits = tl.arange(0, SPLIT_PAD)
-    split_ok = splits < num_splits
     dims = tl.arange(0, HEAD_PAD)
+    stat = token * stride_mt + head * stride_mh
+    part = PartAcc + token * stride_pt + head * stride_ph + dims
 
-    stat = token * stride_mt + head * stride_mh + splits
-    m = tl.load(PartMax + stat, mask=split_ok, other=float("-inf"))
-    denom = tl.load(PartSum + stat, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
+    if ORDERED:
+        # the maximum is exact in any order; the sums go split by split
+        m_max = tl.load(PartMax + stat)
+        for s in range(1, num_splits):
+            m_max = tl.maximum(m_max, tl.load(PartMax + stat + s))
+    else:
+        splits = tl.arange(0, SPLIT_PAD)
+        split_ok = splits < num_splits
+        m = tl.load(PartMax + stat + splits, mask=split_ok, other=float("-inf"))
+        m_max = tl.max(m, 0)
     if USE_SINKS:
-        sink = tl.load(Sinks + head) * 1.4426950408889634
+        sink = tl.load(Sinks + head) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_use)
-    total = tl.sum(weight * denom, 0)
+
+    if ORDERED:
+        total = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+        for s in range(0, num_splits):
+            weight = tl.exp2(tl.load(PartMax + stat + s) - m_use)
+            total += weight * tl.load(PartSum + stat + s)
+            acc += weight * tl.load(part + s * stride_ps)
+        total = tl.sum(total, 0)
+    else:
+        weight = tl.exp2(m - m_use)
+        denom = tl.load(PartSum + stat + splits, mask=split_ok, other=0.0)
+        total = tl.sum(weight * denom, 0)
+        acc = tl.load(
+            part[None, :] + splits[:, None] * stride_ps, mask=split_ok[:, None], other=0.0
+        )
+        acc = tl.sum(acc * weight[:, None], 0)
     if USE_SINKS:
         total += tl.exp2(sink - m_use)
-
-    acc = tl.load(
-        PartAcc
-        + token * stride_pt
-        + head * stride_ph
-        + splits[:, None] * stride_ps
-        + dims[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(
         Out + token * stride_ot + head * stride_oh + dims,
         out.to(Out.dtype.element_ty),
         mask=dims < HEAD_SIZE,
     )
+
+
+if interpreting():
+    fix_interpreter_loop_bounds()

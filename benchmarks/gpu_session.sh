@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The GPU verification of a change, in sections (docs/gpu-verification.md): run from the
+# repository root on the GPU host, results under $OUT.
+#
+#   bash benchmarks/gpu_session.sh setup check bench ...
+#
+# Sections that only check correctness run concurrently (each its own process on the
+# one GPU, logs in $OUT/<name>.log); timing sections run alone, after them. Every
+# section prints one PASS/FAIL line to $OUT/summary.txt; the script ends with it.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SUMMARY=$OUT/summary.txt
+PY=python3
+# each section stops after this many seconds (the device tool allows 10 minutes a call)
+LIMIT=${LIMIT:-500}
+# the vendor libraries unpacked by earlier calls (shared/gpu/install.sh)
+if [[ -d /tmp/gpu-site ]]; then
+  export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
+
+run() {  # run NAME CMD...: one section, its log in $OUT/NAME.log, its status in the summary
+  local name=$1; shift
+  local start=$SECONDS
+  if timeout "$LIMIT" "$@" >"$OUT/$name.log" 2>&1; then
+    log "PASS $name ($((SECONDS - start)) s)"
+  else
+    log "FAIL $name ($((SECONDS - start)) s): $(tail -n 3 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-300)"
+  fi
+}
+
+conform() {  # conform BACKEND LEVEL [pytest args]
+  local backend=$1 level=$2; shift 2
+  local tag
+  tag=$(echo "$backend" | tr -c 'a-zA-Z0-9_\n' '-' | cut -c1-40)
+  run "conform-$tag-$level" $PY -m pytest -q -p no:cacheprovider conformance \
+    --backend "$backend" --conformance-level "$level" --device cuda \
+    --conformance-report "$OUT/conform-$tag-$level" "$@"
+}
+
+memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]
+  local backend=$1 tool=$2 select=${3:-}
+  run "$tool-$backend" compute-sanitizer --tool "$tool" --target-processes all \
+    --error-exitcode 99 $PY -m pytest -q -p no:cacheprovider conformance/test_suite.py \
+    --backend "$backend" --conformance-level quick --device cuda ${select:+-k "$select"}
+}
+
+for section in "$@"; do
+  case $section in
+    setup)  # unpack the carried bundles (they accumulate in /tmp/gpu-site), install pagedkv
+      for bundle in .gpu-bundles/*/; do
+        [[ -f $bundle/install.sh ]] && bash "$bundle/install.sh" "$bundle" 2>/dev/null
+      done
+      export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+      $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$SUMMARY"
+      ;;
+    check)  # correctness, concurrently (FlashInfer's too when it is installed)
+      run gpu-tests $PY -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+        tests/test_triton_kv_write.py tests/test_triton_batch_invariance.py \
+        tests/test_mla_gpu.py tests/test_mla_graph.py tests/test_pallas_gpu.py \
+        tests/test_split_kv.py -k "not sweep" &
+      conform triton full &
+      conform "triton(batch_invariant=true)" quick &
+      conform mla full &
+      conform torch quick &
+      conform pallas full &
+      if $PY -c "import flashinfer" 2>/dev/null; then
+        run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
+        conform flashinfer full &
+        conform "flashinfer(kv_layout=HND)" quick -k "graph or decode or mixed" &
+      fi
+      wait
+      ;;
+    convert-all)  # conversion between every ordered pair of the installed backends
+      backends=(--backend torch --backend triton --backend pallas --backend mla)
+      $PY -c "import flashinfer" 2>/dev/null && backends+=(--backend flashinfer --backend "flashinfer(kv_layout=HND)")
+      $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(--backend flash_attn)
+      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
+        --device cuda "${backends[@]}"
+      ;;
+    check-flash-attn)
+      run flash-attn-tests $PY -m pytest -q -p no:cacheprovider tests/test_flash_attn_gpu.py &
+      conform flash_attn full &
+      conform "split(decode=triton,prefill=flash_attn)" full &
+      wait
+      ;;
+    memcheck)
+      memcheck triton memcheck &
+      memcheck mla memcheck &
+      memcheck torch memcheck "decode or mixed" &
+      wait
+      memcheck triton racecheck "decode or mixed or prefill" &
+      memcheck mla racecheck "decode or mixed or block-size-64" &
+      wait
+      ;;
+    bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select
+      run bench $PY -m pagedkv.cli bench --backends "${BENCH_BACKENDS:-triton,flashinfer}" \
+        --matrix "${BENCH_MATRIX:-standard}" --workloads "${BENCH_WORKLOADS:-}" \
+        --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png"
+      tail -n 60 "$OUT/bench.log"
+      ;;
+    bench-mla)
+      run bench-mla $PY benchmarks/mla.py --json "$OUT/mla.json"
+      tail -n 30 "$OUT/bench-mla.log"
+      ;;
+    serving)  # SERVING_BACKENDS, SERVING_REQUESTS select
+      for backend in ${SERVING_BACKENDS:-triton}; do
+        run "serving-$backend" $PY benchmarks/serving_throughput.py --backend "$backend" \
+          --requests ${SERVING_REQUESTS:-64} --json "$OUT/serving-$backend.json"
+        tail -n 20 "$OUT/serving-$backend.log"
+      done
+      ;;
+    *) log "unknown section $section" ;;
+  esac
+done
+echo "=== summary"
+cat "$SUMMARY"
