@@ -13,7 +13,7 @@ from pagedkv.serving import (
     SamplingParams,
     supports_decode_graphs,
 )
-from pagedkv.serving.graphs import decode_bounds
+from pagedkv.serving.graphs import DecodeGraphs, decode_bounds
 from serving_model import TinyDecoder
 
 
@@ -35,6 +35,30 @@ def test_a_backend_without_graphs_is_refused_when_graphs_are_required():
     config = EngineConfig(backend="torch", cuda_graph=True, max_model_len=64, max_num_seqs=2)
     with pytest.raises(EngineConfigError, match="has no decode CUDA-graph support"):
         Engine(TinyDecoder(head_size=32), config)
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_decode_buckets_replay_what_was_reserved(backend):
+    """The graph path without the CUDA graph (capture=False), on a CPU: decode steps
+    run in padded buckets over the builders' reserved buffers and the metadata fixed
+    at capture, and give the eager steps' tokens and logits."""
+    model = TinyDecoder(head_size=32)
+    prompts = [[3, 1, 4, 1, 5], list(range(20, 37)), [2, 7, 1, 8, 2, 8, 1]]
+    params = [SamplingParams(max_tokens=n, return_logits=True) for n in (4, 6, 3)]
+    config = EngineConfig(backend=backend, max_model_len=64, max_num_seqs=4)
+    eager = Engine(model, config).generate(prompts, params)
+    engine = Engine(model, config)
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(
+        model, runner.kv, (1, 4), config.max_blocks_per_seq, capture=False
+    )
+    replayed = engine.generate(prompts, params)
+    # decodes of 3 and 3 and 2 sequences in bucket 4, then two of 1 in bucket 1
+    assert runner.graphs.num_replays == 5
+    for a, b in zip(eager, replayed, strict=True):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+        for x, y in zip(a.samples[0].logits, b.samples[0].logits, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

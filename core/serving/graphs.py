@@ -6,6 +6,11 @@ same persistent buffers, so a graph captured on a dummy step replays any decode 
 within the bounds. Each batch size (bucket) has its own builders, static input
 buffers and graph; a step of B decodes runs in the smallest bucket >= B, its tokens
 padded with slot -1 (nothing written).
+
+``capture=False`` keeps everything but the CUDA graph: a replay runs the model
+eagerly on the objects fixed at capture time (the static inputs and the metadata
+built for the dummy step, whose buffers every later build refills), so on a CPU a
+test sees exactly what a replay would read.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pagedkv.graph import GraphBounds
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.serving.errors import CudaGraphError
 from pagedkv.serving.inputs import StepInputs
-from pagedkv.serving.kv_cache import ModelKVCache
+from pagedkv.serving.kv_cache import ModelKVCache, StepAttention
 
 if TYPE_CHECKING:
     from pagedkv.serving.model import PagedModel
@@ -48,7 +53,8 @@ class DecodeGraph:
     input_ids: torch.Tensor  # [batch_size] int64, static
     positions: torch.Tensor  # [batch_size] int64, static
     logits: torch.Tensor  # [batch_size, vocab], written by every replay
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (capture=False)
+    attention: StepAttention  # the metadata the graph was captured with
 
 
 class DecodeGraphs:
@@ -60,9 +66,12 @@ class DecodeGraphs:
         kv: ModelKVCache,
         batch_sizes: tuple[int, ...],
         max_blocks_per_seq: int,
+        *,
+        capture: bool = True,
     ) -> None:
         self.model, self.kv = model, kv
         self.max_blocks = max_blocks_per_seq
+        self.capture = capture
         self.graphs: dict[int, DecodeGraph] = {}
         self.num_replays = 0
         pool = None
@@ -70,7 +79,8 @@ class DecodeGraphs:
             for size in sorted(batch_sizes, reverse=True):  # largest first: smaller reuse its pool
                 with torch.inference_mode():
                     self.graphs[size] = self._capture(size, pool)
-                pool = self.graphs[size].graph.pool()
+                graph = self.graphs[size].graph
+                pool = graph.pool() if graph is not None else None
         except Exception as exc:
             raise CudaGraphError(
                 f"capturing the decode graph of batch size {size} failed "
@@ -95,6 +105,9 @@ class DecodeGraphs:
         input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         positions = torch.zeros(size, dtype=torch.int64, device=device)
         rows = torch.arange(size, device=device)
+        if not self.capture:
+            logits = self.model.forward(input_ids, positions, rows, attention)
+            return DecodeGraph(size, builders, input_ids, positions, logits, None, attention)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm up: lazy inits, autotuning, allocator
@@ -104,7 +117,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.model.forward(input_ids, positions, rows, attention)
-        return DecodeGraph(size, builders, input_ids, positions, logits, graph)
+        return DecodeGraph(size, builders, input_ids, positions, logits, graph, attention)
 
     def bucket(self, num_seqs: int) -> DecodeGraph | None:
         """The smallest captured batch that holds ``num_seqs`` decodes."""
@@ -119,6 +132,10 @@ class DecodeGraphs:
         self.kv.build(common, graph.builders)  # new metadata into the reserved buffers
         graph.input_ids.copy_(inputs.input_ids, non_blocking=True)
         graph.positions.copy_(inputs.positions, non_blocking=True)
-        graph.graph.replay()
         self.num_replays += 1
+        if graph.graph is None:
+            rows = torch.arange(graph.batch_size, device=self.kv.device)
+            logits = self.model.forward(graph.input_ids, graph.positions, rows, graph.attention)
+            return logits[inputs.logits_indices]
+        graph.graph.replay()
         return graph.logits[inputs.logits_indices]
