@@ -49,9 +49,7 @@ def test_decode_buckets_replay_what_was_reserved(backend):
     eager = Engine(model, config).generate(prompts, params)
     engine = Engine(model, config)
     runner = engine.runner
-    runner.graphs = DecodeGraphs(
-        model, runner.kv, (1, 4), config.max_blocks_per_seq, capture=False
-    )
+    runner.graphs = DecodeGraphs(model, runner.kv, (1, 4), config.max_blocks_per_seq, capture=False)
     replayed = engine.generate(prompts, params)
     # decodes of 3 and 3 and 2 sequences in bucket 4, then two of 1 in bucket 1
     assert runner.graphs.num_replays == 5

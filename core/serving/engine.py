@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from pagedkv.backend import AttentionBackend
 from pagedkv.kv import KVCacheManager
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import RequestError
@@ -91,6 +93,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def switch_backend(self, backend: str | AttentionBackend | None) -> None:
+        """Run the model on ``backend`` (a config string or a backend object) from the
+        next step on, between steps, without dropping any K/V.
+
+        Every layer's cache moves into the new backend's layout
+        (``pagedkv.convert_kv_cache``: zero-copy where the layouts share their bytes,
+        else the blocks holding K/V, in bounded chunks); the KV manager — running
+        sequences' blocks and the prefix cache — is kept as it is, so generation
+        continues where it was and later requests still hit the cached prefixes.
+        Raises (changing nothing) when the backend cannot run a layer.
+        """
+        self.runner.switch_backend(backend, _blocks_holding_kv(self.manager))
+        self.config = dataclasses.replace(self.config, backend=backend)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -184,6 +200,15 @@ class Engine:
             f"cannot be scheduled: it needs {need} blocks and the pool has {usable}, with "
             f"max_num_seqs {self.config.max_num_seqs}; give more num_blocks"
         )
+
+
+def _blocks_holding_kv(manager: KVCacheManager) -> list[int]:
+    """Blocks whose contents matter: held by a sequence, or cached for prefix hits."""
+    return [
+        b.block_id
+        for b in manager.block_pool.blocks
+        if not b.is_null and (b.ref_cnt > 0 or b.block_hash is not None)
+    ]
 
 
 def _sample_output(seq: Seq) -> SampleOutput:

@@ -4,7 +4,9 @@ Layers may differ (a sliding window on every other layer, an MLA model's latent
 layers): layers with equal specs form a *group* that shares one backend, one
 metadata builder and, each step, one metadata object. Each layer owns its cache
 tensor and its impl (sinks are per layer). Block copies (copy-on-write) go to every
-layer in one call, so no layer can be left out.
+layer in one call, so no layer can be left out. ``switch_backend`` moves every
+layer's cache into another backend's layout in place of the old one
+(``pagedkv.convert_kv_cache``), keeping its contents.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from pagedkv.convert import convert_kv_cache
 from pagedkv.errors import UnsupportedError
 from pagedkv.kv import BlockCopy, copies_to_tensors
 from pagedkv.metadata import CommonAttentionMetadata
@@ -115,12 +118,47 @@ class ModelKVCache:
             self.groups[g].backend.allocate_kv_cache(num_blocks, layer.spec, self.device)
             for layer, g in zip(layers, self.group_of, strict=True)
         ]
-        self.impls = [
+        self.impls = self._make_impls()
+        self.builders = self.make_builders()
+
+    def _make_impls(self) -> list[AttentionImpl[Any]]:
+        return [
             self.groups[g].backend.make_impl(
                 layer.spec, sinks=None if layer.sinks is None else layer.sinks.to(self.device)
             )
-            for layer, g in zip(layers, self.group_of, strict=True)
+            for layer, g in zip(self.layers, self.group_of, strict=True)
         ]
+
+    def resolve(self, backend: str | AttentionBackend | None) -> list[AttentionBackend]:
+        """The backend each group would run on under ``backend`` (raises, naming the
+        layers, when one cannot run them)."""
+        return [_resolve_backend(backend, g.spec, self.device, g.layer_ids) for g in self.groups]
+
+    def switch_backend(
+        self, backend: str | AttentionBackend | None, blocks: Sequence[int] | None = None
+    ) -> None:
+        """Run every layer on ``backend`` from now on, keeping the cached K/V.
+
+        Each layer's cache is converted into the new backend's layout
+        (``convert_kv_cache``: the same tensor when the layouts share their bytes,
+        else a new cache with ``blocks`` copied over in bounded chunks — default all)
+        and replaces the old one before the next layer's is converted, so the extra
+        memory is at most one layer's cache. Impls and builders are made anew
+        (builders reserved for CUDA graphs must be reserved again).
+        """
+        # refused before anything changes: a backend that cannot run a group's spec
+        # (validate() also refuses MLA layers to standard backends and the reverse)
+        new_backends = self.resolve(backend)
+        for i, (layer, g) in enumerate(zip(self.layers, self.group_of, strict=True)):
+            old = self.groups[g].backend
+            self.caches[i] = convert_kv_cache(
+                old, self.caches[i], new_backends[g], layer.spec, blocks=blocks
+            )
+        self.groups = [
+            LayerGroup(g.spec, b, g.layer_ids)
+            for g, b in zip(self.groups, new_backends, strict=True)
+        ]
+        self.impls = self._make_impls()
         self.builders = self.make_builders()
 
     # -- sizes --------------------------------------------------------------------------

@@ -7,7 +7,11 @@ step's metadata once per layer group, run the model, return the sampled rows' lo
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
+from pagedkv.backend import AttentionBackend
 from pagedkv.kv import StepAssembler
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import EngineConfigError
@@ -39,21 +43,39 @@ class ModelRunner:
                 model, self.kv, config.graph_batch_sizes, config.max_blocks_per_seq
             )
 
-    def _use_graphs(self) -> bool:
+    def _use_graphs(self, backends: Sequence[AttentionBackend] | None = None) -> bool:
+        """Whether decode steps replay graphs on ``backends`` (one per layer group;
+        default: the current ones). Raises when cuda_graph=True cannot be honoured."""
         wanted = self.config.cuda_graph
         if wanted is False:
             return False
+        backends = [g.backend for g in self.kv.groups] if backends is None else backends
         why_not = []
         if self.device.type != "cuda":
             why_not.append(f"device {self.device.type} is not CUDA")
         why_not += [
-            f"{g.backend!r} (layers {g.layer_ids[0]}..) has no decode CUDA-graph support"
-            for g in self.kv.groups
-            if not supports_decode_graphs(g.backend)
+            f"{b!r} (layers {g.layer_ids[0]}..) has no decode CUDA-graph support"
+            for b, g in zip(backends, self.kv.groups, strict=True)
+            if not supports_decode_graphs(b)
         ]
         if why_not and wanted:
             raise EngineConfigError("cuda_graph=True, but " + "; ".join(why_not))
         return not why_not
+
+    def switch_backend(
+        self, backend: str | AttentionBackend | None, blocks: Sequence[int] | None = None
+    ) -> None:
+        """Run every layer on ``backend`` from the next step on: caches converted
+        (``blocks``: those holding K/V; default all), impls, builders and decode graphs
+        made anew. Block tables, rows and the KV manager are the same for any backend."""
+        use_graphs = self._use_graphs(self.kv.resolve(backend))  # refuse before changing
+        self.graphs = None  # captured graphs hold the old caches
+        self.kv.switch_backend(backend, blocks)
+        self.config = dataclasses.replace(self.config, backend=backend)
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, self.config.graph_batch_sizes, self.config.max_blocks_per_seq
+            )
 
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [S, vocab] of the sampled sequences, batch order."""
