@@ -134,16 +134,16 @@ def run_engine(engine: Engine, work: Workload, sync: Callable[[], None]) -> Engi
     records: list[StepRecord] = []
     execute = engine.runner.execute
 
-    def recorded(output: Any) -> torch.Tensor:
+    def recorded(plan: Any) -> torch.Tensor:
         records.append(
             StepRecord(
                 0.0,
-                output.is_pure_decode,
-                len(output.scheduled),
-                sum(s.num_computed_tokens + s.num_new_tokens for s in output.scheduled),
+                plan.is_pure_decode,
+                len(plan.seqs),
+                sum(s.num_computed_tokens + s.num_new_tokens for s in plan.seqs),
             )
         )
-        return execute(output)
+        return execute(plan)
 
     engine.runner.execute = recorded  # type: ignore[method-assign]
     sync()

@@ -61,6 +61,21 @@ def test_bad_setups_exit_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_generate_tensor_parallel_prints_the_tp1_tokens(capfd):
+    """--tp 2: two gloo processes; rank 0 prints; the tokens are the single process's."""
+    argv = ["generate", "--max-tokens", "3", "--n", "2", "--temperature", "0.8"]
+    assert main(argv) == 0
+    single = capfd.readouterr().out
+    assert main([*argv, "--tp", "2"]) == 0
+    out = capfd.readouterr().out
+    assert "tensor parallel over 2 ranks" in out and "2/1 heads x 64" in out
+
+    def samples(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("  sample ")]
+
+    assert len(samples(out)) == 6 and samples(out) == samples(single)
+
+
 def test_list_models(capsys):
     assert main(["generate", "--list-models"]) == 0
     assert "tiny-deepseek-v3" in capsys.readouterr().out.split()

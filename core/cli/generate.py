@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pagedkv.cli.args import (
@@ -24,6 +24,9 @@ from pagedkv.cli.args import (
     positive_int,
 )
 from pagedkv.errors import PagedKVError, UsageError
+
+if TYPE_CHECKING:
+    from pagedkv.serving import TensorParallel
 
 DEFAULT_MODEL = "tiny-llama"
 SYSTEM_PROMPT = "You are a paged KV cache. Blocks are pages, block tables are page tables. "
@@ -114,6 +117,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="Token budget of one step (longer prompts are chunked).",
     )
     engine.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="Tensor-parallel ranks: one process each (gloo on a CPU, NCCL with one GPU per "
+        "rank); the model's heads and MLP are sharded, rank 0 schedules and prints.",
+    )
+    engine.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -129,24 +139,34 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(builtin_names()))
         return 0
     try:
-        setup = _setup(args)
-    except PagedKVError as exc:  # a model, file, prompt or backend that cannot be used
+        texts, prompts = _prompts(args)
+    except PagedKVError as exc:  # a model, file or prompt that cannot be used
         raise UsageError(str(exc)) from None
-    return _generate(args, *setup)
+    if args.tp == 1:
+        return _serve(None, args, texts, prompts)
+    from pagedkv.serving import run_tensor_parallel
+
+    device_type = torch.device(_device(args)).type
+    return int(run_tensor_parallel(_serve, args.tp, device_type, args, texts, prompts))
 
 
-def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
-    from pagedkv.config import CONFIG_ENV
-    from pagedkv.models import ByteTokenizer, builtin_names, load_model, load_tokenizer
-    from pagedkv.serving import Engine, EngineConfig, SamplingParams
+def _device(args: argparse.Namespace) -> str:
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device_type = torch.device(device).type
-    dtype = (
-        DTYPES[args.dtype]
-        if args.dtype
-        else (torch.float32 if device_type == "cpu" else torch.bfloat16)
-    )
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """Bytes for the built-in models, else the model directory's own (None: prompts are
+    token ids and the model has no tokenizer to decode with)."""
+    from pagedkv.models import ByteTokenizer, load_tokenizer
+    from pagedkv.models.loader import model_directory
+
+    path = model_directory(args.model)
+    if path is None:
+        return ByteTokenizer()
+    return None if args.token_ids else load_tokenizer(path)
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[str], list[list[int]]]:
     texts = list(args.prompts)
     if args.prompts_file:
         try:
@@ -156,12 +176,43 @@ def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
         texts += [line for line in lines if line.strip()]
     if not texts:
         texts = list(DEFAULT_PROMPTS)
-    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
-    builtin = args.model in builtin_names()
-    tokenizer = ByteTokenizer() if builtin else None
-    if not builtin and not args.token_ids:
-        tokenizer = load_tokenizer(args.model)
-    prompts = [_token_ids(t) if args.token_ids else tokenizer.encode(t) for t in texts]
+    tokenizer = None if args.token_ids else _tokenizer(args)
+    return texts, [_token_ids(t) if args.token_ids else tokenizer.encode(t) for t in texts]
+
+
+def _serve(
+    tp: TensorParallel | None, args: argparse.Namespace, texts: list[str], prompts: list[list[int]]
+) -> int:
+    """One process's part: the whole run, or one tensor-parallel rank (rank 0 the
+    engine and the printing, the others a Worker)."""
+    from pagedkv.serving import Worker
+
+    try:
+        engine, model, config = _setup(tp, args, prompts)
+    except PagedKVError as exc:  # a model or backend that cannot be used
+        raise UsageError(str(exc)) from None
+    if engine is None:
+        Worker(model, config, tp).run()
+        return 0
+    with engine:
+        return _generate(args, engine, texts, _tokenizer(args), _header(args, tp, engine))
+
+
+def _setup(tp: TensorParallel | None, args: argparse.Namespace, prompts: list[list[int]]) -> Any:
+    from pagedkv.config import CONFIG_ENV
+    from pagedkv.models import load_model
+    from pagedkv.serving import Engine, EngineConfig, SamplingParams
+
+    device = _device(args)
+    device_type = torch.device(device).type
+    if tp is not None and device_type == "cuda":
+        device = f"cuda:{tp.rank}"
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype
+        else (torch.float32 if device_type == "cpu" else torch.bfloat16)
+    )
+    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed, tp=tp)
     backend = (
         args.backend or os.environ.get(CONFIG_ENV) or ("torch" if device_type == "cpu" else "auto")
     )
@@ -175,7 +226,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph=args.cuda_graph,
     )
-    engine = Engine(model, config)
+    if tp is not None and not tp.is_driver:
+        return None, model, config
+    engine = Engine(model, config, tp=tp)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(
             n=args.n,
@@ -186,16 +239,26 @@ def _setup(args: argparse.Namespace) -> tuple[Any, ...]:
             seed=args.seed + i * args.n,  # samples of every prompt draw their own streams
         )
         engine.add_request(f"prompt{i}", prompt, params)
-    header = [
+    return engine, model, config
+
+
+def _header(args: argparse.Namespace, tp: TensorParallel | None, engine: Any) -> list[str]:
+    from pagedkv.models import builtin_names
+
+    model, config = engine.model, engine.config
+    builtin = args.model in builtin_names()
+    parallel = ""
+    if tp is not None:
+        parallel = f", tensor parallel over {tp.size} ranks (rank 0's heads below)"
+    return [
         f"model {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers"
         + (f", random weights seed {args.seed}" if builtin else "")
-        + f") on {device}, {str(dtype).removeprefix('torch.')}",
+        + f") on {config.device}, {str(model.dtype).removeprefix('torch.')}{parallel}",
         *(f"  {line}" for line in engine.runner.kv.describe()),
-        f"engine: {config.block_size}-token blocks, {config.resolved_num_blocks - 1} usable "
+        f"engine: {config.block_size}-token blocks, {engine.runner.kv.num_blocks - 1} usable "
         f"per layer, {config.max_num_batched_tokens} tokens per step, cuda graphs "
         + ("on" if engine.runner.graphs else "off"),
     ]
-    return engine, texts, tokenizer, header
 
 
 def _token_ids(text: str) -> list[int]:

@@ -14,21 +14,28 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from pagedkv.distributed import shard_spec
 from pagedkv.models import attention as attn
 from pagedkv.models.deps import require_transformers
 from pagedkv.models.errors import ModelSupportError
 from pagedkv.models.mla import is_mla_attention, pass_latent_through, split_kv_b_proj
 from pagedkv.models.specs import attention_layer, attention_modules
-from pagedkv.serving import AttentionLayer, StepAttention
+from pagedkv.models.tensor_parallel import shard_model
+from pagedkv.serving import AttentionLayer, StepAttention, TensorParallel
 
 
 class HFModel:
     """Wraps ``model`` (a transformers ``*ForCausalLM``) in place: its attention
     implementation becomes ``"pagedkv"`` (``reference_attention`` switches it back
     for HF's own runs), MLA modules pass their latent through, parameters stop
-    requiring gradients."""
+    requiring gradients.
 
-    def __init__(self, model: Any) -> None:
+    tp: this rank's tensor-parallel group; the model (full weights on every rank) is
+    sharded in place (``pagedkv.models.tensor_parallel``) and its attention layers
+    are this rank's heads.
+    """
+
+    def __init__(self, model: Any, *, tp: TensorParallel | None = None) -> None:
         require_transformers()
         if not hasattr(model, "config") or not hasattr(model, "named_modules"):
             raise ModelSupportError(f"expected a transformers model, got {type(model).__name__}")
@@ -53,6 +60,9 @@ class HFModel:
                     module.qk_nope_head_dim,
                     module.v_head_dim,
                 )
+        self.tp = tp
+        if tp is not None:
+            shard_model(model, tp)
         model.set_attn_implementation(attn.ATTENTION_NAME)
 
     @property
@@ -60,7 +70,17 @@ class HFModel:
         return next(self.model.parameters()).device
 
     def attention_layers(self, block_size: int) -> list[AttentionLayer]:
-        return [attention_layer(m, self.model.config, self.dtype, block_size) for m in self.modules]
+        layers = [
+            attention_layer(m, self.model.config, self.dtype, block_size) for m in self.modules
+        ]
+        if self.tp is None:
+            return layers
+        sharded = []
+        for layer in layers:
+            shard = shard_spec(layer.spec, self.tp.size, self.tp.rank)
+            sinks = None if layer.sinks is None else shard.query_slice(layer.sinks, dim=0)
+            sharded.append(AttentionLayer(shard.spec, sinks))
+        return sharded
 
     def forward(
         self,

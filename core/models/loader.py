@@ -11,6 +11,7 @@ import torch
 from pagedkv.models.deps import require_transformers
 from pagedkv.models.errors import ModelSupportError
 from pagedkv.models.hf import HFModel
+from pagedkv.serving import TensorParallel
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -42,29 +43,39 @@ def random_model(config: Any, *, dtype: torch.dtype, device: str, seed: int) -> 
     return model.to(device)
 
 
-def load_model(
-    name_or_path: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    seed: int = 0,
-) -> HFModel:
-    """A built-in tiny model (random weights from ``seed``) or a local model directory
-    (its weights; nothing is downloaded)."""
-    transformers = require_transformers()
+def model_directory(name_or_path: str) -> Path | None:
+    """The local model directory ``name_or_path`` names, None for a built-in model;
+    raises ModelSupportError when it is neither."""
     if name_or_path in builtin_names():
-        model = random_model(builtin_config(name_or_path), dtype=dtype, device=device, seed=seed)
-        return HFModel(model)
+        return None
     path = Path(name_or_path)
     if not path.is_dir():
         raise ModelSupportError(
             f"--model {name_or_path!r} is neither a built-in model "
             f"({', '.join(builtin_names())}) nor a local model directory"
         )
+    return path
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    tp: TensorParallel | None = None,
+) -> HFModel:
+    """A built-in tiny model (random weights from ``seed``) or a local model directory
+    (its weights; nothing is downloaded). ``tp``: this rank's shard of it."""
+    transformers = require_transformers()
+    path = model_directory(name_or_path)
+    if path is None:
+        model = random_model(builtin_config(name_or_path), dtype=dtype, device=device, seed=seed)
+        return HFModel(model, tp=tp)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, local_files_only=True
         )
     except (OSError, ValueError) as exc:
         raise ModelSupportError(f"{path}: could not load a causal LM ({exc})") from None
-    return HFModel(model.to(device))
+    return HFModel(model.to(device), tp=tp)

@@ -7,6 +7,8 @@
 - ``ModelKVCache``: every layer's cache from one spec per layer, block copies applied
   to all layers; ``StepAttention``: the per-step view a model's attention calls.
 - ``build_step_inputs``, ``sample``, ``DecodeGraphs`` (CUDA-graph decode).
+- Tensor parallelism: ``Engine(..., tp=)`` on rank 0, ``Worker`` on the others,
+  ``run_tensor_parallel`` to spawn the ranks (``pagedkv.serving.parallel``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from pagedkv.serving.graphs import DecodeGraphs, supports_decode_graphs
 from pagedkv.serving.inputs import StepInputs, build_step_inputs
 from pagedkv.serving.kv_cache import AttentionLayer, LayerGroup, ModelKVCache, StepAttention
 from pagedkv.serving.model import PagedModel
+from pagedkv.serving.parallel import (
+    RankDivergenceError,
+    TensorParallel,
+    init_tensor_parallel,
+    run_tensor_parallel,
+)
 from pagedkv.serving.params import SamplingParams
+from pagedkv.serving.plan import PlannedSeq, StepPlan
 from pagedkv.serving.runner import ModelRunner
 from pagedkv.serving.sampler import sample
 from pagedkv.serving.scheduler import (
@@ -28,6 +37,7 @@ from pagedkv.serving.scheduler import (
     SchedulerStats,
 )
 from pagedkv.serving.sequence import FinishReason, SeqStatus, Sequence
+from pagedkv.serving.worker import Worker
 
 __all__ = [
     "AttentionLayer",
@@ -42,6 +52,8 @@ __all__ = [
     "ModelKVCache",
     "ModelRunner",
     "PagedModel",
+    "PlannedSeq",
+    "RankDivergenceError",
     "RequestError",
     "RequestOutput",
     "SampleOutput",
@@ -54,7 +66,12 @@ __all__ = [
     "Sequence",
     "StepAttention",
     "StepInputs",
+    "StepPlan",
+    "TensorParallel",
+    "Worker",
     "build_step_inputs",
+    "init_tensor_parallel",
+    "run_tensor_parallel",
     "sample",
     "supports_decode_graphs",
 ]

@@ -11,8 +11,9 @@ import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.kv import KVCacheManager
 from pagedkv.serving.config import EngineConfig
-from pagedkv.serving.errors import RequestError
+from pagedkv.serving.errors import EngineConfigError, RequestError
 from pagedkv.serving.model import PagedModel
+from pagedkv.serving.parallel import TensorParallel
 from pagedkv.serving.params import SamplingParams
 from pagedkv.serving.runner import ModelRunner
 from pagedkv.serving.sampler import sample
@@ -52,14 +53,31 @@ class EngineStats:
 class Engine:
     """A paged serving engine over one PagedModel (``pagedkv.models.HFModel`` for
     Hugging Face models). Synchronous: call ``step()`` until ``has_unfinished()`` is
-    False, or ``generate()``; ``abort()`` between steps."""
+    False, or ``generate()``; ``abort()`` between steps.
 
-    def __init__(self, model: PagedModel, config: EngineConfig | None = None) -> None:
+    Under tensor parallelism (``tp``, rank 0 only) each step's plan is broadcast to
+    the other ranks' ``Worker`` before it runs; ``close()`` (or leaving a ``with``
+    block) releases them.
+    """
+
+    def __init__(
+        self,
+        model: PagedModel,
+        config: EngineConfig | None = None,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        if tp is not None and not tp.is_driver:
+            raise EngineConfigError(
+                f"rank {tp.rank}: the Engine (scheduler, sampler) runs on rank 0; the other "
+                "ranks run a pagedkv.serving.Worker"
+            )
         self.config = config = config or EngineConfig()
         self.model = model
-        self.runner = ModelRunner(model, config)
+        self.tp = tp
+        self.runner = ModelRunner(model, config, tp)
         self.manager = KVCacheManager(
-            config.resolved_num_blocks,
+            self.runner.kv.num_blocks,  # agreed by every tensor-parallel rank
             config.block_size,
             config.max_model_len,
             config.enable_prefix_caching,
@@ -69,6 +87,7 @@ class Engine:
             self.manager.shuffle_free_blocks(config.block_order_seed)
         self.scheduler = Scheduler(config, self.manager, self.runner.device)
         self._step_seconds = 0.0
+        self._closed = False
 
     # -- requests ---------------------------------------------------------------------
 
@@ -105,6 +124,11 @@ class Engine:
         continues where it was and later requests still hit the cached prefixes.
         Raises (changing nothing) when the backend cannot run a layer.
         """
+        if self.tp is not None:
+            raise EngineConfigError(
+                "switch_backend under tensor parallelism is not supported: every rank's "
+                "caches would have to switch together"
+            )
         self.runner.switch_backend(backend, _blocks_holding_kv(self.manager))
         self.config = dataclasses.replace(self.config, backend=backend)
 
@@ -118,7 +142,10 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RequestError(self._stuck_reason())
             return []
-        logits = self.runner.execute(output)
+        plan = output.plan()
+        if self.tp is not None:
+            self.tp.broadcast_plan(plan)
+        logits = self.runner.execute(plan)
         rows: list[int] = []
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
@@ -169,6 +196,18 @@ class Engine:
             if on_step is not None:
                 on_step(self)
         return [outputs[i] for i in ids]
+
+    def close(self) -> None:
+        """Release the tensor-parallel workers (their ``run`` returns); idempotent."""
+        if self.tp is not None and not self._closed:
+            self.tp.broadcast_plan(None)
+        self._closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- reporting ----------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedkv.errors import MetadataError
-from pagedkv.serving.scheduler import ScheduledSeq
+from pagedkv.serving.plan import PlannedSeq
 from pagedkv.slots import token_positions
 
 
@@ -26,7 +26,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-    scheduled: Sequence[ScheduledSeq], device: torch.device, num_tokens: int | None = None
+    scheduled: Sequence[PlannedSeq], device: torch.device, num_tokens: int | None = None
 ) -> StepInputs:
     """Token ids and positions of every scheduled token (a sequence's tokens
     ``num_computed .. num_computed + num_new``), padded to ``num_tokens`` rows."""
@@ -41,10 +41,7 @@ def build_step_inputs(
     _, positions = token_positions(query_start_loc, seq_lens)
     ids = np.zeros(num_tokens, dtype=np.int64)
     for s, start in zip(scheduled, query_start_loc[:-1], strict=False):
-        end = s.num_computed_tokens + s.num_new_tokens
-        ids[start : start + s.num_new_tokens] = s.seq.request.all_token_ids[
-            s.num_computed_tokens : end
-        ]
+        ids[start : start + s.num_new_tokens] = s.token_ids
     padded_positions = np.zeros(num_tokens, dtype=np.int64)
     padded_positions[:num_actual] = positions
     last_rows = query_start_loc[1:] - 1

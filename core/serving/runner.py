@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 from pagedkv.backend import AttentionBackend
+from pagedkv.distributed import agree_num_blocks
 from pagedkv.kv import StepAssembler
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import EngineConfigError
@@ -19,19 +20,28 @@ from pagedkv.serving.graphs import DecodeGraphs, supports_decode_graphs
 from pagedkv.serving.inputs import build_step_inputs
 from pagedkv.serving.kv_cache import ModelKVCache
 from pagedkv.serving.model import PagedModel
-from pagedkv.serving.scheduler import SchedulerOutput
+from pagedkv.serving.parallel import TensorParallel
+from pagedkv.serving.plan import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: PagedModel, config: EngineConfig) -> None:
+    """Executes StepPlans on one device. Under tensor parallelism (``tp``) every rank
+    has one, over its share of the heads; the pool size is the minimum of every
+    rank's ``config.resolved_num_blocks`` (``agree_num_blocks``), so block ids mean
+    the same on all ranks."""
+
+    def __init__(
+        self, model: PagedModel, config: EngineConfig, tp: TensorParallel | None = None
+    ) -> None:
         self.model = model
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
+        num_blocks = config.resolved_num_blocks
+        if tp is not None:
+            num_blocks = agree_num_blocks(num_blocks, group=tp.group)
         self.kv = ModelKVCache(
-            model.attention_layers(config.block_size),
-            config.resolved_num_blocks,
-            config.backend,
-            self.device,
+            model.attention_layers(config.block_size), num_blocks, config.backend, self.device
         )
         self.assembler = StepAssembler(
             config.block_size, config.max_num_seqs, config.max_model_len, self.device
@@ -77,20 +87,29 @@ class ModelRunner:
                 self.model, self.kv, self.config.graph_batch_sizes, self.config.max_blocks_per_seq
             )
 
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the step; returns logits [S, vocab] of the sampled sequences, batch order."""
-        for seq_id in output.removed_seq_ids:
+        for seq_id in plan.removed_seq_ids:
             if seq_id in self.resident:  # a sequence may leave before its first step
                 self.resident.remove(seq_id)
                 self.assembler.remove_request(seq_id)
-        self.kv.copy_blocks(output.copies)
+        self.kv.copy_blocks(plan.copies)
         graph = None
-        if self.graphs is not None and output.is_pure_decode:
-            graph = self.graphs.bucket(len(output.scheduled))
+        if self.graphs is not None and plan.is_pure_decode:
+            graph = self.graphs.bucket(len(plan.seqs))
         num_tokens = graph.batch_size if graph is not None else None
-        common = self.assembler.build(output.kv_requests(), num_tokens)
-        self.resident.update(s.seq.seq_id for s in output.scheduled)
-        inputs = build_step_inputs(output.scheduled, self.device, num_tokens)
+        common = self.assembler.build(plan.kv_requests(), num_tokens)
+        if self.tp is not None and self.tp.check_every_step:
+            self.tp.check_same_step(
+                {
+                    "block_table": common.block_table,
+                    "slot_mapping": common.slot_mapping,
+                    "query_start_loc": common.query_start_loc,
+                    "seq_lens": common.seq_lens,
+                }
+            )
+        self.resident.update(s.seq_id for s in plan.seqs)
+        inputs = build_step_inputs(plan.seqs, self.device, num_tokens)
         with torch.inference_mode():
             if graph is not None:
                 assert self.graphs is not None

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 from pagedkv.intmath import cdiv
-from pagedkv.kv import BlockCopy, BlockHash, KVCacheManager, Request, ScheduledRequest
+from pagedkv.kv import BlockCopy, BlockHash, KVCacheManager, Request
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import RequestError
 from pagedkv.serving.params import SamplingParams
+from pagedkv.serving.plan import PlannedSeq, StepPlan
 from pagedkv.serving.sequence import FinishReason, SeqStatus, Sequence, make_generator
 
 
@@ -60,19 +61,19 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
-    def is_pure_decode(self) -> bool:
-        return bool(self.scheduled) and all(s.num_new_tokens == 1 for s in self.scheduled)
-
-    @property
     def sampling(self) -> list[ScheduledSeq]:
         return [s for s in self.scheduled if s.samples]
 
-    def kv_requests(self) -> list[ScheduledRequest]:
-        """The batch as the StepAssembler takes it."""
-        return [
-            ScheduledRequest(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, s.block_ids)
-            for s in self.scheduled
-        ]
+    def plan(self) -> StepPlan:
+        """The step as the runner executes it (plain values: every rank gets it)."""
+        seqs = []
+        for s in self.scheduled:
+            end = s.num_computed_tokens + s.num_new_tokens
+            tokens = tuple(s.seq.request.all_token_ids[s.num_computed_tokens : end])
+            seqs.append(
+                PlannedSeq(s.seq.seq_id, s.num_computed_tokens, tokens, s.block_ids, s.samples)
+            )
+        return StepPlan(tuple(seqs), tuple(self.removed_seq_ids), tuple(self.copies))
 
 
 @dataclass
