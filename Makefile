@@ -14,18 +14,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q triton==$(TRITON_VERSION) -e ".[dev,triton,jax]"
+	$(PY) -m pip install -q triton==$(TRITON_VERSION) -e ".[dev,triton,jax,models]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# List the backends, then run a mixed batch through the default backend vs the reference.
+# A tiny random-weight Llama served through the torch backend on the CPU: three prompts
+# (two share a system prompt), two samples each; tokens, tokens/s, KV blocks, prefix hits.
 demo: $(STAMP)
-	$(VENV)/bin/pagedkv backends
-	$(VENV)/bin/pagedkv demo
+	$(VENV)/bin/pagedkv generate --n 2 --temperature 0.8 --seed 0
 
 # The whole CPU suite: unit tests, then conformance (quick level) of every backend
-# that runs on a CPU (Triton under its interpreter, Pallas in interpret mode).
+# that runs on a CPU (Triton under its interpreter, Pallas in interpret mode), with
+# tiny Hugging Face models served through each (--conformance-models).
 test: $(STAMP) lint test-unit test-conformance
 
 test-unit: $(STAMP)
@@ -38,7 +39,8 @@ test-conformance: $(STAMP)
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/plugin-template \
 		./examples/plugin_template
 	PYTHONPATH=build/plugin-template TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
-		--backend torch --backend triton --backend pallas --backend mla --backend my_backend
+		--backend torch --backend triton --backend pallas --backend mla --backend my_backend \
+		--conformance-models
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

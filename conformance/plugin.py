@@ -105,6 +105,17 @@ OPTIONS = (
             "of failing the run.",
         ),
     ),
+    Option(
+        "--pagedkv-models",
+        ("--conformance-models",),
+        dict(
+            dest="pagedkv_models",
+            action="store_true",
+            default=False,
+            help="Also serve tiny random-weight Hugging Face models through each backend and "
+            "compare with transformers (conformance/test_models.py; needs pagedkv[models]).",
+        ),
+    ),
 )
 
 

@@ -19,18 +19,11 @@ import dataclasses
 import fnmatch
 import json
 import os
-import socket
 import sys
 import tempfile
 from typing import Any
 
 import torch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_scenario(backend, scenario, shard_of, device: str, group_rank: int) -> dict[str, Any]:
@@ -149,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             f"--tp {args.tp} on cuda needs {args.tp} GPUs, this host has {torch.cuda.device_count()}"
         )
     import torch.multiprocessing as mp
+    from pagedkv.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(args, _free_port(), out_path), nprocs=args.tp, join=True)
+        mp.spawn(_worker, args=(args, free_port(), out_path), nprocs=args.tp, join=True)
         with open(out_path) as f:
             records = json.load(f)
     failed = [r for r in records if r.get("failures")]

@@ -14,6 +14,7 @@ Communication goes through ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,13 @@ def shard_spec(spec: AttentionSpec, tp_size: int, rank: int) -> HeadShard:
         changes["alibi_slopes"] = spec.alibi_slopes[query_heads.start : query_heads.stop]
     local = dataclasses.replace(spec, **changes)  # scale and head sizes unchanged
     return HeadShard(local, rank, tp_size, query_heads, kv_heads)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for ``MASTER_PORT`` of a local process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def agree_num_blocks(

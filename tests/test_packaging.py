@@ -46,6 +46,8 @@ def test_every_source_module_is_in_the_wheel(wheel):
         for source in (ROOT / folder).rglob("*.py"):
             inside = f"{package}/{source.relative_to(ROOT / folder).as_posix()}"
             assert inside in names, f"{source.relative_to(ROOT)} missing from the wheel as {inside}"
+    for config in (ROOT / "core" / "models" / "configs").glob("*.json"):  # package data
+        assert f"pagedkv/models/configs/{config.name}" in names, f"{config.name} not in the wheel"
 
 
 def test_entry_points(wheel):

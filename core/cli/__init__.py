@@ -22,6 +22,7 @@ from pagedkv.errors import PagedKVError, UsageError
 SUBCOMMANDS = {
     "backends": "List backends: availability, sizes, devices, features and plugin problems.",
     "demo": "Run attention on a sample mixed batch and print the error vs the float64 reference.",
+    "generate": "Generate text with a Hugging Face model served through a pagedkv backend.",
     "capacity": "KV-cache bytes per token/block, and the blocks, tokens and requests a budget "
     "holds.",
     "simulate": "Replay a request trace through contiguous and paged KV allocators; print "

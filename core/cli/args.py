@@ -46,6 +46,17 @@ def _float(minimum: float, inclusive: bool, what: str) -> Callable[[str], float]
     return parse
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1], e.g. a probability mass."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 positive_int = _int(1, "a positive integer")
 non_negative_int = _int(0, "an integer >= 0")
 positive_float = _float(0.0, False, "a finite number > 0")

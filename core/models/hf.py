@@ -1,0 +1,116 @@
+"""HFModel: a Hugging Face causal LM as a pagedkv PagedModel.
+
+The vLLM transformers-backend pattern: register an attention function with
+transformers' AttentionInterface, set the model's attention implementation to it,
+call the model on the step's flattened tokens (``[1, T]``, positions as
+``position_ids``, ``use_cache=False``) with the step in a keyword argument, and keep
+only the sampled rows' logits (``logits_to_keep`` as indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from pagedkv.distributed import shard_spec
+from pagedkv.models import attention as attn
+from pagedkv.models.deps import require_transformers
+from pagedkv.models.errors import ModelSupportError
+from pagedkv.models.mla import is_mla_attention, pass_latent_through, split_kv_b_proj
+from pagedkv.models.specs import attention_layer, attention_modules
+from pagedkv.models.tensor_parallel import shard_model
+from pagedkv.serving import AttentionLayer, StepAttention, TensorParallel
+
+
+class HFModel:
+    """Wraps ``model`` (a transformers ``*ForCausalLM``) in place: its attention
+    implementation becomes ``"pagedkv"`` (``reference_attention`` switches it back
+    for HF's own runs), MLA modules pass their latent through, parameters stop
+    requiring gradients.
+
+    tp: this rank's tensor-parallel group; the model (full weights on every rank) is
+    sharded in place (``pagedkv.models.tensor_parallel``) and its attention layers
+    are this rank's heads.
+    """
+
+    def __init__(self, model: Any, *, tp: TensorParallel | None = None) -> None:
+        require_transformers()
+        if not hasattr(model, "config") or not hasattr(model, "named_modules"):
+            raise ModelSupportError(f"expected a transformers model, got {type(model).__name__}")
+        if not type(model)._can_set_attn_implementation():
+            raise ModelSupportError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface, so pagedkv cannot take it over"
+            )
+        attn.register()
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config.get_text_config()
+        self.vocab_size: int = self.config.vocab_size
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.modules = attention_modules(model)
+        self.mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for module in self.modules:
+            if is_mla_attention(module):
+                pass_latent_through(module, attn.ATTENTION_NAME)
+                self.mla_weights[module.layer_idx] = split_kv_b_proj(
+                    module.kv_b_proj.weight,
+                    self.config.num_attention_heads,
+                    module.qk_nope_head_dim,
+                    module.v_head_dim,
+                )
+        self.tp = tp
+        if tp is not None:
+            shard_model(model, tp)
+        model.set_attn_implementation(attn.ATTENTION_NAME)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def attention_layers(self, block_size: int) -> list[AttentionLayer]:
+        layers = [
+            attention_layer(m, self.model.config, self.dtype, block_size) for m in self.modules
+        ]
+        if self.tp is None:
+            return layers
+        sharded = []
+        for layer in layers:
+            shard = shard_spec(layer.spec, self.tp.size, self.tp.rank)
+            sinks = None if layer.sinks is None else shard.query_slice(layer.sinks, dim=0)
+            sharded.append(AttentionLayer(shard.spec, sinks))
+        return sharded
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        attention: StepAttention,
+    ) -> torch.Tensor:
+        if self.model.config._attn_implementation != attn.ATTENTION_NAME:
+            raise ModelSupportError(
+                f"the model's attention implementation is "
+                f"{self.model.config._attn_implementation!r}, not {attn.ATTENTION_NAME!r} "
+                "(restore it, e.g. leave reference_attention's block)"
+            )
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            pagedkv_step=attn.HFStep(attention, self.mla_weights),
+        )
+        return out.logits[0]
+
+
+@contextmanager
+def reference_attention(model: HFModel, implementation: str = "eager") -> Iterator[Any]:
+    """Run HF's own attention (``implementation``) on the wrapped model inside the
+    block, e.g. ``generate`` as a reference; pagedkv's comes back after it."""
+    model.model.set_attn_implementation(implementation)
+    try:
+        yield model.model
+    finally:
+        model.model.set_attn_implementation(attn.ATTENTION_NAME)

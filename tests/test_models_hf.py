@@ -1,0 +1,90 @@
+"""HFModel through the engine; the attention function's guards."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs pagedkv[models] (transformers)")
+
+from pagedkv.conformance.models import run_model_check
+from pagedkv.models import ModelSupportError, load_model, reference_attention
+from pagedkv.serving import Engine, EngineConfig, SamplingParams
+from serving_model import one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_tiny_llama_matches_transformers_through_the_scheduler():
+    result = run_model_check("tiny-llama", "torch")
+    assert result.passed, result.report()
+    assert result.max_abs_error < 1e-4
+
+
+def test_the_attention_runs_only_inside_the_engine():
+    model = load_model("tiny-llama")
+    with pytest.raises(ModelSupportError, match="runs inside pagedkv's engine only"):
+        model.model(torch.tensor([[1, 2, 3]]), use_cache=False)
+    with reference_attention(model) as hf:
+        assert hf.config._attn_implementation == "eager"
+        logits = hf(torch.tensor([[1, 2, 3]]), use_cache=False).logits
+        assert logits.shape == (1, 3, 256)
+    assert model.model.config._attn_implementation == "pagedkv"
+
+
+def test_forward_refuses_another_attention_implementation():
+    model = load_model("tiny-llama")
+    engine = Engine(model, EngineConfig(backend="torch", max_model_len=64))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    model.model.set_attn_implementation("eager")
+    with pytest.raises(ModelSupportError, match="attention implementation is 'eager'"):
+        engine.step()
+
+
+def test_a_spec_that_disagrees_with_the_module_is_refused():
+    model = load_model("tiny-gemma2")
+    engine = Engine(model, EngineConfig(backend="torch", max_model_len=64))
+    engine.add_request("a", list(range(20)), SamplingParams(max_tokens=2))
+    model.modules[0].sliding_window = 5  # what the module passes no longer matches its spec
+    with pytest.raises(ModelSupportError, match="layer 0: sliding_window 5 but the spec has 12"):
+        engine.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_llama_decode_graphs_equal_eager():
+    model = load_model("tiny-llama", dtype=torch.bfloat16, device="cuda")
+    prompts = [[(7 * i + j) % 256 for j in range(10 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=16, return_logits=True)
+
+    def run(cuda_graph: bool):
+        config = EngineConfig(
+            backend="triton", device="cuda", max_model_len=128, cuda_graph=cuda_graph
+        )
+        engine = Engine(model, config)
+        return engine, engine.generate(prompts, params)
+
+    _, eager = run(False)
+    engine, graphed = run(True)
+    assert engine.runner.graphs.num_replays > 0
+    for a, b in zip(eager, graphed, strict=True):
+        pairs = zip(a.samples[0].token_ids, b.samples[0].token_ids, strict=True)
+        for step, (x, y) in enumerate(pairs):
+            torch.testing.assert_close(
+                a.samples[0].logits[step], b.samples[0].logits[step], atol=2e-2, rtol=2e-2
+            )
+            if x != y:  # a bf16 near tie: later steps see different tokens
+                break
+
+
+def test_docs_example_runs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/serving.md", "exec"), namespace)
+    samples = namespace["outputs"][0].samples
+    assert len(samples) == 2 and all(len(s.token_ids) == 16 for s in samples)
+    assert namespace["engine"].stats.prefix_hit_rate > 0  # the two prompts share a block

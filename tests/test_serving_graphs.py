@@ -1,0 +1,92 @@
+"""CUDA-graph decode: which backends qualify, how buffers are reserved, and (on a GPU)
+replays equal to eager steps."""
+
+from __future__ import annotations
+
+import pagedkv
+import pytest
+import torch
+from pagedkv.serving import (
+    Engine,
+    EngineConfig,
+    EngineConfigError,
+    SamplingParams,
+    supports_decode_graphs,
+)
+from pagedkv.serving.graphs import DecodeGraphs, decode_bounds
+from serving_model import TinyDecoder
+
+
+def test_which_backends_capture_decode():
+    """From the declared GraphSupport: PURE_DECODE and MIXED capture decode steps."""
+    expected = {"torch": False, "pallas": False, "mla": True, "flashinfer": True}
+    for name, capture in expected.items():
+        assert supports_decode_graphs(pagedkv.get_backend(name)) is capture, name
+
+
+def test_decode_bounds_reserve_one_token_per_sequence():
+    bounds = decode_bounds(8, 32)
+    assert bounds == pagedkv.GraphBounds(
+        max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=32, max_query_len=1
+    )
+
+
+def test_a_backend_without_graphs_is_refused_when_graphs_are_required():
+    config = EngineConfig(backend="torch", cuda_graph=True, max_model_len=64, max_num_seqs=2)
+    with pytest.raises(EngineConfigError, match="has no decode CUDA-graph support"):
+        Engine(TinyDecoder(head_size=32), config)
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_decode_buckets_replay_what_was_reserved(backend):
+    """The graph path without the CUDA graph (capture=False), on a CPU: decode steps
+    run in padded buckets over the builders' reserved buffers and the metadata fixed
+    at capture, and give the eager steps' tokens and logits."""
+    model = TinyDecoder(head_size=32)
+    prompts = [[3, 1, 4, 1, 5], list(range(20, 37)), [2, 7, 1, 8, 2, 8, 1]]
+    params = [SamplingParams(max_tokens=n, return_logits=True) for n in (4, 6, 3)]
+    config = EngineConfig(backend=backend, max_model_len=64, max_num_seqs=4)
+    eager = Engine(model, config).generate(prompts, params)
+    engine = Engine(model, config)
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(model, runner.kv, (1, 4), config.max_blocks_per_seq, capture=False)
+    replayed = engine.generate(prompts, params)
+    # decodes of 3 and 3 and 2 sequences in bucket 4, then two of 1 in bucket 1
+    assert runner.graphs.num_replays == 5
+    for a, b in zip(eager, replayed, strict=True):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+        for x, y in zip(a.samples[0].logits, b.samples[0].logits, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
+def test_graph_replays_equal_eager_steps(backend):
+    available, why = pagedkv.get_backend(backend).is_available()
+    if not available:
+        pytest.skip(f"{backend}: {why}")
+    model = TinyDecoder(head_size=32).cuda()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 17, 30, 9, 40)]
+    params = SamplingParams(max_tokens=12, return_logits=True)
+
+    def run(cuda_graph: bool) -> tuple[Engine, list]:
+        config = EngineConfig(
+            backend=backend,
+            device="cuda",
+            max_model_len=128,
+            max_num_seqs=8,
+            cuda_graph=cuda_graph,
+            cuda_graph_batch_sizes=(1, 2, 4, 8),
+        )
+        engine = Engine(model, config)
+        return engine, engine.generate(prompts, params)
+
+    _, eager = run(False)
+    engine, graphed = run(True)
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+    for a, b in zip(eager, graphed, strict=True):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+        for x, y in zip(a.samples[0].logits, b.samples[0].logits, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
