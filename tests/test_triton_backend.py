@@ -171,9 +171,9 @@ def _plan(layer, seq_lens, query_lens, **kwargs):
 @pytest.mark.parametrize(
     "num_seqs, seq_len, query_len, expect",
     [
-        (64, 4096, 1, 1),  # 512 programs already fill the GPU
+        (64, 4096, 1, 1),  # an even share of the step's keys (~3970) is a whole sequence
         (256, 1024, 1, 1),
-        (4, 32768, 1, 16),  # 32 programs: split to fill 4 per SM
+        (4, 32768, 1, 16),  # 32 programs: shares of ~1990 keys
         (1, 32768, 1, 64),  # capped by max_splits
         (1, 700, 1, 1),  # too short to split
         (8, 2048, 2048, 1),  # prefill never splits
@@ -183,6 +183,16 @@ def test_split_choice(num_seqs, seq_len, query_len, expect):
     plan = _plan(H200_LAYER, [seq_len] * num_seqs, [query_len] * num_seqs)
     assert plan.num_splits == expect
     assert plan.split == (expect > 1) and plan.tiles_per_split == 0
+
+
+def test_a_ragged_batch_splits_its_long_requests():
+    """One long request among short ones would be the grid's critical path: it is cut
+    so that no program streams much more than an even share of the step's keys."""
+    seq_lens = [32768] + [1024] * 127
+    plan = _plan(H200_LAYER, seq_lens, [1] * 128)
+    even_share = sum(seq_lens) * 8 / (SPLIT_POLICY.target_programs_per_sm * H200_SMS)
+    assert plan.num_splits > 1 and 32768 / plan.num_splits <= even_share * 1.1
+    assert _plan(H200_LAYER, [1024] * 128, [1] * 128).num_splits == 1
 
 
 def test_split_choice_is_monotone_in_batch_size():

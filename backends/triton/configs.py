@@ -77,8 +77,10 @@ REGISTERS_PER_KV_MASKED = 1.5
 # layers, and 128 keys already keep enough bytes in flight at D >= 64
 TILE_N_CHOICES = (16, 32, 64, 128)
 # Memory-bound programs: K/V bytes of in-flight tiles per SM that saturate HBM. H200
-# decode 64 x 4096: 3 programs x 32 KiB (m16-n64) and 2 x 64 KiB (m16-n128) both ran at
-# 96% of copy bandwidth, 4 x 16 KiB (m16-n32) 8% slower.
+# decode 64 x 4096: 3 programs x 32 KiB (m16-n64, 5 stages) and 2 x 64 KiB (m16-n128, 2
+# stages) both ran at 96% of copy bandwidth, 4 x 16 KiB (m16-n32) 8% slower. Open: the
+# rule's m16-n64 at 2 stages, with one split, ran at 71% (366 us; pagedkv bench
+# 2026-12-01) — docs/benchmarks.md.
 BYTES_IN_FLIGHT_PER_SM = 96 * 1024
 # Compute-bound programs: fp32 score values per thread. H200 prefill 8 x 2048, D 128:
 # m64-n32-w4 (16 per thread) 1012 us against 1113 us for m128-n64-w8 (32).
@@ -440,9 +442,12 @@ def plan_tiles(
         block_m, memory_bound = choose_block_m(layer, step)
         tile = choose_tile(layer, block_m, memory_bound)
     block_q = _block_q(layer, tile)
-    query_blocks = int((-(-step.query_lens // block_q)).sum())
+    query_blocks = -(-step.query_lens // block_q)
+    programs = int(query_blocks.sum()) * layer.num_kv_heads
+    if not forced_splits and step.max_query_len <= SPLIT_POLICY.max_query_len:
+        forced_splits = balanced_splits(layer, step, query_blocks, num_sms)
     choice = SPLIT_POLICY.choose(
-        query_blocks * layer.num_kv_heads,
+        programs,
         step.max_query_len,
         step.max_seq_len,
         num_sms,
@@ -451,6 +456,24 @@ def plan_tiles(
     )
     split = choice.num_splits > 1
     return TilePlan(tile, block_q, choice.num_splits, split, 0, False)
+
+
+def balanced_splits(
+    layer: LayerShape, step: StepShape, query_blocks: np.ndarray, num_sms: int
+) -> int:
+    """Splits for a decode-like step that even out the keys each program streams: the
+    step's keys (over every query block and KV head) shared by
+    ``target_programs_per_sm`` programs per SM, at least ``min_keys_per_split`` each; the
+    longest sequence is cut into that many keys per split. Without it one long request of
+    a ragged batch is the critical path of the whole grid (H200, pagedkv bench
+    2026-12-01: ragged decodes at 0.5-0.6x FlashInfer with one split, 0.8-1.0x with
+    fixed 512-key splits). Uniform batches get the splits the grid-size rule gave
+    (64 x 4096: 1, 4 x 32k: 16, 1 x 32k: 64)."""
+    work = float((step.seq_lens * query_blocks).sum()) * layer.num_kv_heads
+    policy = SPLIT_POLICY
+    keys = max(policy.min_keys_per_split, work / (policy.target_programs_per_sm * num_sms))
+    # whole shares: every split keeps at least its share (and min_keys_per_split) of keys
+    return max(1, min(policy.max_splits, step.max_seq_len // int(keys)))
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:
