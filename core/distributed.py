@@ -41,6 +41,26 @@ class HeadShard:
         return t.narrow(dim, self.kv_heads.start, len(self.kv_heads))
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank stores: an even share, or one replicated head when there are
+    more ranks than heads (raises SpecError when neither divides)."""
+    if tp_size < 1:
+        raise SpecError(f"tp_size must be >= 1, got {tp_size}")
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise SpecError(
+                f"num_kv_heads {num_kv_heads} is not divisible by tp_size {tp_size}: every "
+                "rank needs the same number of KV heads"
+            )
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads:
+        raise SpecError(
+            f"tp_size {tp_size} is not a multiple of num_kv_heads {num_kv_heads}: each KV "
+            "head must be replicated on the same number of ranks"
+        )
+    return 1
+
+
 def shard_problems(spec: AttentionSpec, tp_size: int) -> list[str]:
     """Why ``spec`` cannot be split over ``tp_size`` ranks (empty: it can)."""
     out = []
@@ -52,17 +72,10 @@ def shard_problems(spec: AttentionSpec, tp_size: int) -> list[str]:
             "needs the same number of query heads"
         )
     if not spec.is_mla:
-        kv = spec.num_kv_heads
-        if kv >= tp_size and kv % tp_size:
-            out.append(
-                f"num_kv_heads {kv} is not divisible by tp_size {tp_size}: every rank needs the "
-                "same number of KV heads"
-            )
-        if kv < tp_size and tp_size % kv:
-            out.append(
-                f"tp_size {tp_size} is not a multiple of num_kv_heads {kv}: each KV head must be "
-                "replicated on the same number of ranks"
-            )
+        try:
+            kv_heads_per_rank(spec.num_kv_heads, tp_size)
+        except SpecError as exc:
+            out.append(str(exc))
     return out
 
 
@@ -78,7 +91,7 @@ def shard_spec(spec: AttentionSpec, tp_size: int, rank: int) -> HeadShard:
     if spec.is_mla:
         kv_heads = range(0, 1)  # the latent is replicated
     elif spec.num_kv_heads >= tp_size:
-        hkv = spec.num_kv_heads // tp_size
+        hkv = kv_heads_per_rank(spec.num_kv_heads, tp_size)
         kv_heads = range(rank * hkv, (rank + 1) * hkv)
     else:
         first = query_heads.start // spec.num_queries_per_kv

@@ -130,7 +130,7 @@ MODEL = ["--num-layers", "40", "--num-kv-heads", "8", "--head-size", "128"]
             "an MLA model caches one latent row per token",
         ),
         (["capacity", "--model", "llama-3-8b", "--mla"], "--mla describes a model by hand"),
-        (["capacity", *MODEL, "--tp", "3"], "8 KV heads do not split evenly over tp=3 ranks"),
+        (["capacity", *MODEL, "--tp", "3"], "num_kv_heads 8 is not divisible by tp_size 3"),
         (["capacity", *MODEL, "--kv-dtype", "int3"], "argument --kv-dtype: invalid choice"),
         (["simulate", "--granule", "0"], "argument --granule: expected a positive integer"),
         (["simulate", "--granule", "-64"], "argument --granule: expected a positive integer"),

@@ -66,7 +66,7 @@ def test_mla_latent_is_not_split_by_tp():
 def test_gqa_heads_per_rank_and_fp8():
     assert kv_heads_per_rank(8, 2) == 4
     assert kv_heads_per_rank(8, 16) == 1  # replicated
-    with pytest.raises(KVCacheUsageError, match="do not split evenly"):
+    with pytest.raises(KVCacheUsageError, match="num_kv_heads 8 is not divisible by tp_size 3"):
         kv_heads_per_rank(8, 3)
     with pytest.raises(KVCacheUsageError, match=">= 1"):
         kv_heads_per_rank(8, 0)

@@ -40,22 +40,15 @@ def dtype_bytes(name: str) -> float:
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
-    """KV heads one tensor-parallel rank stores.
+    """KV heads one tensor-parallel rank stores (pagedkv.distributed's rule: an even
+    share, or one replicated head when there are more ranks than heads)."""
+    from pagedkv.distributed import kv_heads_per_rank as rule
+    from pagedkv.errors import SpecError
 
-    Heads split evenly across ranks; with more ranks than heads each rank keeps a
-    replica of one head (num_kv_heads must then divide tp).
-    """
-    if tp <= 0:
-        raise KVCacheUsageError(f"tensor-parallel degree must be >= 1, got {tp}")
-    if num_kv_heads >= tp:
-        if num_kv_heads % tp:
-            raise KVCacheUsageError(
-                f"{num_kv_heads} KV heads do not split evenly over tp={tp} ranks"
-            )
-        return num_kv_heads // tp
-    if tp % num_kv_heads:
-        raise KVCacheUsageError(f"tp={tp} ranks cannot replicate {num_kv_heads} KV heads evenly")
-    return 1
+    try:
+        return rule(num_kv_heads, tp)
+    except SpecError as exc:
+        raise KVCacheUsageError(str(exc)) from None
 
 
 @dataclass(frozen=True)
