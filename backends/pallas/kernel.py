@@ -22,7 +22,6 @@ there: it uses masked gathers, which Mosaic GPU has no lowering for).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from pagedkv.backends.pallas import configs
+from pagedkv.toolkit.numerics import LOG2E
 
-LOG2E = math.log2(math.e)
 TARGETS = ("interpret", "triton", "mosaic_gpu", "mosaic_tpu")
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from pagedkv.toolkit.numerics import LOG2E
 
-# exp(x) == exp2(x * LOG2E): kernels keep scores in the log2 domain and use exp2
-LOG2E = 1.4426950408889634
+__all__ = ["LOG2E", "fix_interpreter_loop_bounds", "fp32_to_fp8_bits"]
 
 
 @triton.jit
