@@ -143,7 +143,8 @@ def test_batch_invariant_outputs_are_bitwise_identical(dtype):
             )
     # and it is attention: the long decode against the torch backend
     torch_rows, _ = request_outputs(pagedkv.get_backend("torch"), spec, list(TARGETS))
-    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    # bf16 keeps 8 mantissa bits: its outputs round at ~4e-3 of their magnitude
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for got, want in zip(alone, torch_rows, strict=True):
         assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
