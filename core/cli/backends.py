@@ -81,7 +81,10 @@ def _row(r: BackendRecord) -> list[str]:
         ", ".join(DTYPE_SHORT.get(d, d) for d in caps.get("dtypes", [])) or "?",
         str(caps.get("head_sizes", "?")),
         str(caps.get("block_sizes", "?")),
-        ", ".join(caps.get("features", [])) or "-",
+        ", ".join(
+            [*caps.get("features", []), f"cuda_graph: {caps.get('cuda_graph', 'never')}"]
+            + (["batch_invariant"] if caps.get("batch_invariant") else [])
+        ),
         r.layout,
         r.distribution,
     ]
