@@ -7,8 +7,9 @@ plugin is ``pagedkv.conformance.plugin``) or ``pagedkv conform``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedkv.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pagedkv.conformance.check import (
@@ -34,13 +35,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.conformance' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports("pagedkv.conformance", _EXPORTS, globals())
 
 
 __all__ = [

@@ -7,13 +7,13 @@ machinery and a float64 reference.
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # cheap and needed at plugin import time; everything else loads on first use, so that
 # importing a plugin (or the pytest plugin, loaded into every pytest run) costs no torch import
 from pagedkv.hookspecs import hookimpl
+from pagedkv.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pagedkv.backend import (
@@ -86,17 +86,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports("pagedkv", _EXPORTS, globals())
 
 
 __all__ = [

@@ -13,8 +13,9 @@ when first needed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedkv.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pagedkv.models.attention import ATTENTION_NAME, paged_attention_forward, register
@@ -45,17 +46,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports("pagedkv.models", _EXPORTS, globals())
 
 
 __all__ = [
