@@ -41,10 +41,28 @@ conform() {  # conform BACKEND LEVEL [pytest args]
     --conformance-report "$OUT/conform-$tag-$level" "$@"
 }
 
+conform_parallel() {  # conform_parallel BACKEND LEVEL N [pytest args]: N processes, for
+  # backends that compile kernels on first use (FlashInfer's JIT), so the compiles overlap
+  local backend=$1 level=$2 n=$3; shift 3
+  local tag ids
+  tag=$(echo "$backend" | tr -c 'a-zA-Z0-9_\n' '-' | cut -c1-40)
+  ids=$OUT/ids-$tag-$level.txt
+  $PY -m pytest -q -p no:cacheprovider --collect-only conformance --backend "$backend" \
+    --conformance-level "$level" --device cuda "$@" 2>/dev/null | grep '::' >"$ids"
+  for ((i = 0; i < n; i++)); do
+    awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
+    run "conform-$tag-$level-$i" $PY -m pytest -q -p no:cacheprovider --backend "$backend" \
+      --conformance-level "$level" --device cuda "$@" $(cat "$ids.$i") &
+  done
+  wait
+}
+
 memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]
   local backend=$1 tool=$2 select=${3:-}
+  # cuda-python probes driver entry points at import (cuGetProcAddress): API errors that
+  # are not the kernels' are left out of the report
   run "$tool-$backend" compute-sanitizer --tool "$tool" --target-processes all \
-    --error-exitcode 99 $PY -m pytest -q -p no:cacheprovider conformance/test_suite.py \
+    --report-api-errors no --error-exitcode 99 $PY -m pytest -q -p no:cacheprovider conformance/test_suite.py \
     --backend "$backend" --conformance-level quick --device cuda ${select:+-k "$select"}
 }
 
@@ -98,6 +116,33 @@ for section in "$@"; do
       memcheck mla racecheck "decode or mixed or block-size-64" &
       wait
       ;;
+    verify)  # this change's correctness runs, concurrently (needs both bundles)
+      run gpu-tests $PY -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+        tests/test_triton_kv_write.py tests/test_triton_batch_invariance.py \
+        tests/test_split_kv.py tests/test_flashinfer_gpu.py tests/test_flash_attn_gpu.py \
+        tests/test_models_hf.py -k "not sweep" &
+      conform_parallel triton full 2 &
+      conform_parallel flashinfer full 4 &
+      conform "split(decode=triton,prefill=flash_attn)" full &
+      for backend in torch triton pallas mla flashinfer flash_attn; do
+        run "models-$backend" $PY -m pytest -q -p no:cacheprovider conformance/test_models.py \
+          --backend "$backend" --device cuda --conformance-models &
+      done
+      backends=(--backend torch --backend triton --backend pallas --backend mla
+        --backend flashinfer --backend "flashinfer(kv_layout=HND)" --backend flash_attn)
+      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
+        --device cuda "${backends[@]}" &
+      memcheck triton memcheck &
+      memcheck pallas memcheck "decode or mixed" &
+      memcheck flashinfer memcheck &
+      memcheck flash_attn memcheck &
+      memcheck triton racecheck "decode or mixed or prefill" &
+      wait
+      ;;
+    convert)
+      run convert $PY benchmarks/convert_throughput.py --json "$OUT/convert.json"
+      tail -n 20 "$OUT/convert.log"
+      ;;
     bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select
       run bench $PY -m pagedkv.cli bench --backends "${BENCH_BACKENDS:-triton,flashinfer}" \
         --matrix "${BENCH_MATRIX:-standard}" --workloads "${BENCH_WORKLOADS:-}" \
@@ -111,7 +156,7 @@ for section in "$@"; do
     serving)  # SERVING_BACKENDS, SERVING_REQUESTS select
       for backend in ${SERVING_BACKENDS:-triton}; do
         run "serving-$backend" $PY benchmarks/serving_throughput.py --backend "$backend" \
-          --requests ${SERVING_REQUESTS:-64} --json "$OUT/serving-$backend.json"
+          --requests ${SERVING_REQUESTS:-64} ${SERVING_ARGS:-} --json "$OUT/serving-$backend.json"
         tail -n 20 "$OUT/serving-$backend.log"
       done
       ;;

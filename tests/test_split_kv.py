@@ -343,3 +343,32 @@ def test_graph_reservations_are_refused():
     with pytest.raises(UnsupportedError, match="eager steps only"):
         combinator.build(step)
     assert np.array_equal(step.seq_lens_cpu.numpy(), [5])
+
+
+# -- the makespan rule ---------------------------------------------------------------------
+
+
+def test_makespan_rule_evens_the_waves_and_cuts_the_critical_path():
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+
+    def splits(keys, slots, copies=1):
+        return policy.choose_by_makespan(
+            np.asarray(keys), slots, granule=64, overhead_keys=64, copies=copies
+        ).num_splits
+
+    # a grid that fills its slots 1.3 times: split until the waves are even
+    assert splits([4096] * 64, 396, copies=8) > 1
+    # a grid of many waves does not split (it would only add programs)
+    assert splits([1024] * 256, 396, copies=8) == 1
+    # one long request among short ones is cut; alone, it is cut to the limit
+    assert splits([32768] + [1024] * 127, 396, copies=8) > 1
+    assert splits([32768], 396) == 64
+    # never below min_keys_per_split keys per split
+    assert splits([700], 396) == 1
+    # the reduction's cost keeps a marginal split away
+    base = dict(granule=64, overhead_keys=64, copies=8)
+    free = policy.choose_by_makespan(np.asarray([4096] * 64), 396, **base).num_splits
+    dear = policy.choose_by_makespan(
+        np.asarray([4096] * 64), 396, merge_keys_per_split=1e4, **base
+    ).num_splits
+    assert dear < free

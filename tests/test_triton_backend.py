@@ -30,7 +30,9 @@ from pagedkv.backends.triton.configs import (
     LayerShape,
     StepShape,
     fits,
+    plan_step,
     plan_tiles,
+    programs_per_sm,
 )
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
@@ -43,6 +45,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 MIXED = dict(seq_lens=(1, 17, 33, 64, 40, 5), query_lens=(1, 17, 5, 1, 8, 0))
 DECODE = dict(seq_lens=(97, 3, 200, 64), query_lens=(1, 1, 1, 1))
+# decodes (one long enough to split) then chunked prefills: two launches, two plans
+TWO_PARTS = dict(seq_lens=(1100, 40, 33, 300, 70), query_lens=(1, 1, 2, 40, 17))
 # lengths one short of, at and one past the key tiles (16 to 128 keys): off-by-one traps
 EDGES = dict(seq_lens=(127, 128, 129, 63, 65, 15), query_lens=(1, 1, 1, 1, 1, 1))
 SCENARIOS = [
@@ -51,6 +55,15 @@ SCENARIOS = [
     Scenario("mqa-head128", **MIXED, num_heads=8, num_kv_heads=1, head_size=128),
     Scenario("mha", **MIXED, num_heads=4, num_kv_heads=4),
     Scenario("decode", **DECODE),
+    Scenario("two-parts-decodes-first", **TWO_PARTS, num_padding_tokens=3),
+    Scenario("two-parts-chunks-first", seq_lens=(300, 70, 1100, 40), query_lens=(40, 17, 1, 1)),
+    Scenario(
+        "two-parts-sinks-softcap-fp32",
+        **TWO_PARTS,
+        use_sinks=True,
+        logits_soft_cap=20.0,
+        dtype=torch.float32,
+    ),
     Scenario("decode-tile-edges", **EDGES),
     Scenario("decode-tile-edges-fp32", **EDGES, dtype=torch.float32, head_size=128),
     Scenario("prefill-q-block-edges", seq_lens=(131, 64), query_lens=(100, 64)),
@@ -140,6 +153,20 @@ def test_bfloat16_matches_reference(scenario):
     _check(scenario)
 
 
+def test_two_part_steps_are_planned_as_two_launches():
+    """The two-part scenarios above run as two launches (the decodes split on their own),
+    so their reference checks cover the parts' offsets into the step's tensors."""
+    for scenario in SCENARIOS:
+        if not scenario.name.startswith("two-parts"):
+            continue
+        problem = build_problem(scenario, DEVICE)
+        md = pagedkv.get_backend("triton").make_builder(problem.spec, DEVICE).build(problem.common)
+        assert len(md.parts) == 2, scenario.name
+        long_decode = scenario.seq_lens.index(1100)
+        decode_part = next(p for p in md.parts if p.first <= long_decode < p.end)
+        assert decode_part.plan.num_splits > 1, (scenario.name, md.describe())
+
+
 def test_automatic_split_on_a_long_decode():
     """One long sequence, few programs: the builder splits on its own and stays exact."""
     scenario = Scenario(
@@ -171,12 +198,14 @@ def _plan(layer, seq_lens, query_lens, **kwargs):
 @pytest.mark.parametrize(
     "num_seqs, seq_len, query_len, expect",
     [
-        (64, 4096, 1, 1),  # an even share of the step's keys (~3970) is a whole sequence
-        (256, 1024, 1, 1),
-        (4, 32768, 1, 16),  # 32 programs: shares of ~1990 keys
+        # 512 programs (64 requests x 8 KV heads) fill the H200's 396 slots of this tile
+        # 1.3 times: 3 splits make the waves even
+        (64, 4096, 1, 3),
+        (256, 1024, 1, 1),  # 2048 programs: 5.2 waves, splitting only adds programs
+        (4, 32768, 1, 32),  # 32 programs: shares of 1024 keys
         (1, 32768, 1, 64),  # capped by max_splits
         (1, 700, 1, 1),  # too short to split
-        (8, 2048, 2048, 1),  # prefill never splits
+        (8, 2048, 2048, 1),  # a full prefill grid does not split
     ],
 )
 def test_split_choice(num_seqs, seq_len, query_len, expect):
@@ -187,12 +216,30 @@ def test_split_choice(num_seqs, seq_len, query_len, expect):
 
 def test_a_ragged_batch_splits_its_long_requests():
     """One long request among short ones would be the grid's critical path: it is cut
-    so that no program streams much more than an even share of the step's keys."""
+    until its programs stream no more than about the step's work per slot."""
     seq_lens = [32768] + [1024] * 127
     plan = _plan(H200_LAYER, seq_lens, [1] * 128)
-    even_share = sum(seq_lens) * 8 / (SPLIT_POLICY.target_programs_per_sm * H200_SMS)
-    assert plan.num_splits > 1 and 32768 / plan.num_splits <= even_share * 1.1
+    slots = programs_per_sm(H200_LAYER, plan.tile) * H200_SMS
+    work_per_slot = sum(seq_lens) * H200_LAYER.num_kv_heads / slots
+    assert plan.num_splits > 1 and 32768 / plan.num_splits <= work_per_slot * 1.25
     assert _plan(H200_LAYER, [1024] * 128, [1] * 128).num_splits == 1
+
+
+def test_mixed_steps_launch_decodes_and_chunks_apart():
+    """Decodes first and chunks after (or the reverse) are two launches, each with its
+    own rows and splits: the decodes' long tail splits, the chunks keep 64-row tiles."""
+    step = _step([32768] + [2048] * 15 + [4352], [1] * 16 + [256])
+    decodes, chunk = plan_step(H200_LAYER, step, H200_SMS)
+    assert (decodes.first, decodes.end, chunk.first, chunk.end) == (0, 16, 16, 17)
+    assert decodes.plan.tile.block_m == 16 and decodes.plan.num_splits > 1
+    assert chunk.plan.tile.block_m == 64
+    reverse = plan_step(H200_LAYER, _step([4352] + [2048] * 4, [256] + [1] * 4), H200_SMS)
+    assert [(p.first, p.end) for p in reverse] == [(0, 1), (1, 5)]
+    # interleaved kinds, forced tiles and CUDA-graph plans stay one launch
+    interleaved = _step([2048, 4352, 2048], [1, 256, 1])
+    assert len(plan_step(H200_LAYER, interleaved, H200_SMS)) == 1
+    assert len(plan_step(H200_LAYER, step, H200_SMS, bounded=True)) == 1
+    assert len(plan_step(H200_LAYER, step, H200_SMS, forced_splits=2)) == 1
 
 
 def test_split_choice_is_monotone_in_batch_size():
@@ -314,8 +361,8 @@ def test_reserved_builds_keep_one_plan_and_their_buffers():
         common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
         md = builder.build(common)
         buffers = [md.common.query_start_loc, md.common.block_table, md.common.seq_lens]
-        buffers += [md.attention.kwargs[k] for k in ("PartAcc", "PartMax", "PartSum")]
-        now = (md.plan, md.attention.grid, [b.data_ptr() for b in buffers])
+        buffers += [md.parts[0].attention.kwargs[k] for k in ("PartAcc", "PartMax", "PartSum")]
+        now = (md.plan, md.parts[0].attention.grid, [b.data_ptr() for b in buffers])
         assert seen is None or now == seen
         seen = now
         n = common.num_tokens

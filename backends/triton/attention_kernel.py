@@ -1,6 +1,7 @@
 """The unified paged-attention kernel: prefill, chunked prefill and decode in one launch.
 
-Grid ``(query blocks, KV heads, splits)``. A program owns BLOCK_Q query tokens of
+Grid ``(query blocks, KV heads, splits)``, over the whole step or over one part of
+it (a run of its requests, whose metadata tensors start at the part's first request). A program owns BLOCK_Q query tokens of
 one request times the GROUP query heads that share one KV head (GQA packing: row
 ``r`` is token ``r // GROUP``, head ``r % GROUP``), so each K/V tile is read once
 per KV head. It walks the request's keys in tiles of TILE_N tokens, looking each
@@ -156,9 +157,9 @@ def unified_attention_kernel(
     Q,  # [T, Hq, HEAD_SIZE]
     KCache,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_SIZE] view
     VCache,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_SIZE] view
-    BlockTable,  # [num_seqs, max_blocks] int32
+    BlockTable,  # [num_seqs, max_blocks] int32 (a part: its requests' rows)
     SeqLens,  # [num_seqs] int32
-    QueryStartLoc,  # [num_seqs + 1] int32
+    QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
     num_seqs,
@@ -201,7 +202,10 @@ def unified_attention_kernel(
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
     # the last query blocks see the most keys: launch them first, so the final wave
     # of a causal prefill is made of short programs
-    q_block_global = tl.num_programs(0) - 1 - tl.program_id(0)
+    # (a launch over a part of the step gets its tensors from the part's first request
+    # on: its query blocks are numbered from that request's, like the whole step's)
+    first_block = tl.load(QueryStartLoc) // BLOCK_Q
+    q_block_global = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)

@@ -1,7 +1,7 @@
 """The Triton backend's metadata: the step's launch plan, made once per step.
 
-``build_metadata`` chooses tiles and splits (``configs.plan_tiles``) and fills the
-launch templates: every kernel argument that does not depend on a layer's tensors
+``build_metadata`` cuts the step into parts and chooses tiles and splits per part
+(``configs.plan_step``) and fills the launch templates: every kernel argument that does not depend on a layer's tensors
 (the step's metadata tensors, the split-KV partials, the grid, the tile constants),
 so that ``attend`` of every layer only adds its query, output and cache and
 launches. Under a CUDA-graph reservation the step arrives padded to the bounds,
@@ -18,11 +18,12 @@ from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
     LayerShape,
+    StepPart,
     StepShape,
     TileConfig,
     TilePlan,
     check_forced_splits,
-    plan_tiles,
+    plan_step,
     reduce_warps,
 )
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
@@ -34,17 +35,34 @@ from pagedkv.toolkit.split_kv import num_sms
 
 
 @dataclass(frozen=True)
+class PartLaunches:
+    """The launches of one part of a step (requests ``[first, end)``)."""
+
+    first: int
+    end: int
+    plan: TilePlan  # tiles and splits
+    attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
+    reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, Hq)
+
+
+@dataclass(frozen=True)
 class TritonMetadata(BackendMetadata):
     """One step for the Triton kernels (B = common.num_reqs, padded under a reservation).
 
-    ``attention`` and ``reduce`` are launch templates: the impl completes their
-    kwargs with one layer's tensors (query, output, cache views and their strides,
-    sinks, ALiBi slopes, the layer's scalars)."""
+    ``parts`` hold launch templates, one attention (+ reduction) per part of the step
+    (``configs.plan_step``): the impl completes their kwargs with one layer's tensors
+    (query, output, cache views and their strides, sinks, ALiBi slopes, the layer's
+    scalars)."""
 
     layer: LayerShape  # the layer shape the plan was made for
-    plan: TilePlan  # tiles and splits
-    attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
-    reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (T, Hq)
+    parts: tuple[PartLaunches, ...]
+
+    @property
+    def plan(self) -> TilePlan:
+        """The plan of a one-part step (tuning and tests); see ``parts`` otherwise."""
+        if len(self.parts) != 1:
+            raise ValueError(f"a step of {len(self.parts)} parts has one plan per part")
+        return self.parts[0].plan
 
     @property
     def tile(self) -> TileConfig:
@@ -52,7 +70,14 @@ class TritonMetadata(BackendMetadata):
 
     @property
     def num_splits(self) -> int:
-        return self.plan.num_splits
+        """The most splits of any part."""
+        return max(p.plan.num_splits for p in self.parts)
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"requests {p.first}-{p.end - 1}: {p.plan.tile}, {p.plan.num_splits} split(s)"
+            for p in self.parts
+        )
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
@@ -80,40 +105,76 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             step = StepShape.of_bounds(common)  # shape-deciding inputs: the bounds only
         else:
             step = StepShape.of(common)
-        plan = plan_tiles(
+        parts = plan_step(
             self.layer,
             step,
             self.num_sms,
             forced_splits=check_forced_splits(num_splits) or self.forced_splits,
             batch_invariant=self.batch_invariant,
             tile=tile,
+            bounded=self.graph_bounds is not None,
         )
+        splits = max(p.plan.num_splits for p in parts)
         s, layer, unused = self.spec, self.layer, self._unused
-        num_reqs, num_tokens = common.num_reqs, common.num_tokens
         acc = stat_max = stat_sum = unused
-        if plan.split:
-            shape = (num_tokens, s.num_heads, plan.num_splits)
+        if splits > 1 or any(p.plan.split for p in parts):
+            # one set of partials for the step's tokens, whichever part writes them
+            shape = (common.num_tokens, s.num_heads, splits)
             acc = self.scratch("partial_acc", (*shape, layer.head_pad), torch.float32)
             stat_max = self.scratch("partial_max", shape, torch.float32)
             stat_sum = self.scratch("partial_sum", shape, torch.float32)
+        partials = (acc, stat_max, stat_sum)
+        launches = tuple(
+            self._part_launches(common, part, partials, len(parts) == 1) for part in parts
+        )
+        return TritonMetadata(common, layer, launches)
+
+    def _part_launches(
+        self,
+        common: CommonAttentionMetadata,
+        part: StepPart,
+        partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        whole: bool,
+    ) -> PartLaunches:
+        """The launch templates of one part: its requests' metadata tensors (views from
+        its first request on) and its grid."""
+        s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
+        first, end = part.first, part.end
+        num_reqs = end - first
+        qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
+        if whole:
+            # the whole (maybe padded) step: every request and token row may hold a query
+            # (a CUDA-graph plan's StepShape sees the bounds, not the requests)
+            first, end = 0, common.num_reqs
+            num_reqs, num_tokens = end, common.num_tokens
+            query_blocks = num_tokens // plan.block_q + num_reqs
+        else:
+            qsl, seq_lens, table = qsl[first:], seq_lens[first:], table[first:]
+            bounds = common.query_start_loc_cpu[[first, end]].tolist()
+            num_tokens = bounds[1] - bounds[0]
+            # blocks numbered from the part's first (kernel: query_start_loc[i] // BLOCK_Q + i)
+            query_blocks = bounds[1] // plan.block_q - bounds[0] // plan.block_q + num_reqs
+        acc, stat_max, stat_sum = partials
         acc_strides = acc.stride() if plan.split else (0, 0, 0)
         stat_strides = stat_max.stride() if plan.split else (0, 0)
+        if not plan.split:
+            acc = stat_max = stat_sum = unused
         t = plan.tile
         attention = KernelLaunch(
             unified_attention_kernel,
-            (num_tokens // plan.block_q + num_reqs, s.num_kv_heads, plan.num_splits),
+            (query_blocks, s.num_kv_heads, plan.num_splits),
             dict(
                 PartAcc=acc,
                 PartMax=stat_max,
                 PartSum=stat_sum,
-                BlockTable=common.block_table,
-                SeqLens=common.seq_lens,
-                QueryStartLoc=common.query_start_loc,
+                BlockTable=table,
+                SeqLens=seq_lens,
+                QueryStartLoc=qsl,
                 Sinks=unused,
                 AlibiSlopes=unused,
                 num_seqs=num_reqs,
                 tiles_per_split=plan.tiles_per_split,
-                stride_bt=common.block_table.stride(0),
+                stride_bt=table.stride(0),
                 stride_pt=acc_strides[0],
                 stride_ph=acc_strides[1],
                 stride_ps=acc_strides[2],
@@ -143,7 +204,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     PartMax=stat_max,
                     PartSum=stat_sum,
                     Sinks=unused,
-                    QueryStartLoc=common.query_start_loc,
+                    QueryStartLoc=qsl,
                     num_seqs=num_reqs,
                     num_splits=plan.num_splits,
                     stride_pt=acc_strides[0],
@@ -158,4 +219,4 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
                 ),
             )
-        return TritonMetadata(common, layer, plan, attention, reduce)
+        return PartLaunches(first, end, plan, attention, reduce)

@@ -21,8 +21,11 @@ and lists the constants below that are measurements to repeat on a new GPU.
   and fails on spills). A memory-bound program takes the smallest key tile that keeps
   enough K/V bytes in flight per SM; a compute-bound one keeps its score tile small,
   since Triton does not overlap the softmax with the MMAs.
-- **Splits** (``plan_tiles``): the toolkit's SplitPolicy with this backend's numbers,
-  over the programs the chosen rows give.
+- **Splits** (``makespan_splits``): the toolkit's makespan rule over the programs the
+  chosen tile gives and the programs an SM holds of it: split until the waves are even
+  and no long request is the critical path.
+- **Parts** (``plan_step``): a step of decodes and chunked prefills is launched as two
+  parts, each with its own rows, tile and splits.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.split_kv import SplitPolicy
+from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
 # Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
@@ -90,17 +93,17 @@ SCORES_PER_THREAD = 16
 # step's MMA time: ~25% at 16 keys, ~12% at 32
 MIN_COMPUTE_TILE_N = 32
 
-# -- splits ------------------------------------------------------------------------------
-# Split (flash-decoding) when queries are short and the grid has fewer than 2 programs
-# per SM, up to 4 per SM, at least 512 keys per split, at most 64 splits (the width the
-# reduction kernel merges at once).
-SPLIT_POLICY = SplitPolicy(
-    max_query_len=8,
-    split_below_programs_per_sm=2.0,
-    target_programs_per_sm=4.0,
-    min_keys_per_split=512,
-    max_splits=64,
-)
+# -- splits ----------------------------------------------------------------------------
+# Split (flash-decoding) decode-like steps (queries of at most 8 tokens), at least 512 keys
+# per split, at most 64 splits (the width the reduction kernel merges at once); how many
+# is the toolkit's makespan rule over the step's programs (``makespan_splits``).
+SPLIT_POLICY = SplitPolicy(max_query_len=8, min_keys_per_split=512, max_splits=64)
+# A program's fixed cost (query load, first page-table lookups, epilogue), in keys
+# streamed: about one 64-key tile (to measure).
+PROGRAM_OVERHEAD_KEYS = 64
+# Longer queries (chunked prefill beside few other requests) split as far as their
+# partial results stay within this size.
+LONG_QUERY_SPLIT_BYTES = 64 << 20
 # The batch-invariant mode's split: a fixed key range per split, whatever the batch and
 # the GPU (as many programs per request as the default gives one long request).
 BATCH_INVARIANT_KEYS_PER_SPLIT = 512
@@ -200,6 +203,10 @@ class StepShape:
         q = max(1, common.max_query_len)
         n = max(1, min(common.num_reqs, common.num_tokens // q))
         return StepShape(np.full(n, q, dtype=np.int64), np.full(n, common.max_seq_len, np.int64))
+
+    def part(self, first: int, end: int) -> StepShape:
+        """Requests ``[first, end)``."""
+        return StepShape(self.query_lens[first:end], self.seq_lens[first:end])
 
     @property
     def max_query_len(self) -> int:
@@ -348,6 +355,7 @@ def _fitting_tiles(layer: LayerShape, block_m: int) -> list[TileConfig]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def programs_per_sm(layer: LayerShape, tile: TileConfig) -> int:
     """Programs one SM holds at once, by registers (at most 255 per thread, allocated in
     8s) and shared memory."""
@@ -417,6 +425,57 @@ def check_forced_splits(value: object) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class StepPart:
+    """Requests ``[first, end)`` of a step, launched with one plan."""
+
+    first: int
+    end: int
+    plan: TilePlan
+
+
+def plan_step(
+    layer: LayerShape,
+    step: StepShape,
+    num_sms: int,
+    *,
+    forced_splits: int = 0,
+    batch_invariant: bool = False,
+    tile: TileConfig | None = None,
+    bounded: bool = False,
+) -> tuple[StepPart, ...]:
+    """A step's launches: one per part, a part being a run of decode-like requests (at
+    most ``SPLIT_POLICY.max_query_len`` queries) or of longer ones. A step made of one
+    run of each (the decodes first, as schedulers order them, or last) gets two
+    launches, so that its decodes keep their small tiles and splits and its chunks
+    their large tiles; any other step, a CUDA-graph step (``bounded``: one plan for
+    every step within the bounds), a batch-invariant one or a forced tile gets one."""
+    n = len(step.query_lens)
+    parts = [(0, n)]
+    if not (bounded or batch_invariant or tile is not None or forced_splits):
+        decode_like = step.query_lens <= SPLIT_POLICY.max_query_len
+        changes = np.flatnonzero(decode_like[1:] != decode_like[:-1])
+        if len(changes) == 1:
+            cut = int(changes[0]) + 1
+            parts = [(0, cut), (cut, n)]
+    return tuple(
+        StepPart(
+            first,
+            end,
+            plan_tiles(
+                layer,
+                step.part(first, end) if (first, end) != (0, n) else step,
+                num_sms,
+                forced_splits=forced_splits,
+                batch_invariant=batch_invariant,
+                tile=tile,
+                bounded=bounded,
+            ),
+        )
+        for first, end in parts
+    )
+
+
 def plan_tiles(
     layer: LayerShape,
     step: StepShape,
@@ -425,8 +484,11 @@ def plan_tiles(
     forced_splits: int = 0,
     batch_invariant: bool = False,
     tile: TileConfig | None = None,
+    bounded: bool = False,
 ) -> TilePlan:
-    """The tiles and splits of a step (``tile`` overrides the rule's tile)."""
+    """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
+    tile, ``forced_splits`` its splits; ``bounded``: a CUDA-graph plan, whose scratch is
+    sized once, splits decode-like steps only)."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
@@ -442,38 +504,70 @@ def plan_tiles(
         block_m, memory_bound = choose_block_m(layer, step)
         tile = choose_tile(layer, block_m, memory_bound)
     block_q = _block_q(layer, tile)
-    query_blocks = -(-step.query_lens // block_q)
-    programs = int(query_blocks.sum()) * layer.num_kv_heads
-    if not forced_splits and step.max_query_len <= SPLIT_POLICY.max_query_len:
-        forced_splits = balanced_splits(layer, step, query_blocks, num_sms)
-    choice = SPLIT_POLICY.choose(
-        programs,
-        step.max_query_len,
-        step.max_seq_len,
-        num_sms,
-        forced=forced_splits,
+    if forced_splits:
+        choice = SPLIT_POLICY._choice(
+            min(forced_splits, SPLIT_POLICY.max_splits), step.max_seq_len, tile.tile_n
+        )
+    else:
+        choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded)
+    return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
+
+
+def program_keys(layer: LayerShape, step: StepShape, block_q: int) -> np.ndarray:
+    """Keys each query block of the step visits (one entry per query block, for one KV
+    head): its sequence, cut by the causal horizon of its last query and the window."""
+    live = step.query_lens > 0
+    q, seq = step.query_lens[live], step.seq_lens[live]
+    if step.max_query_len <= block_q:  # one block per request (decodes): its sequence
+        keys = seq if layer.window is None else np.minimum(seq, layer.window + block_q)
+        return keys.astype(np.float64)
+    blocks = -(-q // block_q)
+    owner = np.repeat(np.arange(len(q)), blocks)
+    first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
+    index = np.arange(len(owner)) - first_block  # query block within its request
+    last_query = np.minimum((index + 1) * block_q, q[owner])  # queries up to here
+    context = (seq - q)[owner]
+    keys = context + last_query if layer.causal else seq[owner]
+    if layer.window is not None:
+        keys = np.minimum(keys, layer.window + block_q)
+    return keys.astype(np.float64)
+
+
+def makespan_splits(
+    layer: LayerShape,
+    step: StepShape,
+    tile: TileConfig,
+    block_q: int,
+    num_sms: int,
+    *,
+    bounded: bool = False,
+) -> SplitChoice:
+    """Splits by the toolkit's makespan rule, over the programs this tile gives and the
+    programs an SM holds of it. Decode-like steps may split up to the policy's maximum;
+    longer queries (chunked prefills) too, as far as their partial results stay within
+    ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
+    sized for decode-like steps)."""
+    tokens = int(step.query_lens.sum())
+    split_bytes = tokens * layer.num_heads * (layer.head_pad + 2) * 4  # per split
+    if step.max_query_len <= SPLIT_POLICY.max_query_len:
+        max_splits = SPLIT_POLICY.max_splits
+    elif bounded:
+        max_splits = 1
+    else:
+        max_splits = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
+    slots = programs_per_sm(layer, tile) * num_sms
+    # the reduction writes and reads each split's partials once, in the time the
+    # grid's slots stream this many keys
+    key_bytes = slots * 2 * layer.head_size * layer.cache_bytes
+    return SPLIT_POLICY.choose_by_makespan(
+        program_keys(layer, step, block_q),
+        slots,
         granule=tile.tile_n,
+        overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=2 * split_bytes / key_bytes,
+        max_splits=max_splits,
+        copies=layer.num_kv_heads,
     )
-    split = choice.num_splits > 1
-    return TilePlan(tile, block_q, choice.num_splits, split, 0, False)
-
-
-def balanced_splits(
-    layer: LayerShape, step: StepShape, query_blocks: np.ndarray, num_sms: int
-) -> int:
-    """Splits for a decode-like step that even out the keys each program streams: the
-    step's keys (over every query block and KV head) shared by
-    ``target_programs_per_sm`` programs per SM, at least ``min_keys_per_split`` each; the
-    longest sequence is cut into that many keys per split. Without it one long request of
-    a ragged batch is the critical path of the whole grid (H200, pagedkv bench
-    2026-12-01: ragged decodes at 0.5-0.6x FlashInfer with one split, 0.8-1.0x with
-    fixed 512-key splits). Uniform batches get the splits the grid-size rule gave
-    (64 x 4096: 1, 4 x 32k: 16, 1 x 32k: 64)."""
-    work = float((step.seq_lens * query_blocks).sum()) * layer.num_kv_heads
-    policy = SPLIT_POLICY
-    keys = max(policy.min_keys_per_split, work / (policy.target_programs_per_sm * num_sms))
-    # whole shares: every split keeps at least its share (and min_keys_per_split) of keys
-    return max(1, min(policy.max_splits, step.max_seq_len // int(keys)))
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

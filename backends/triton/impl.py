@@ -77,41 +77,26 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
         attention_args, reduce_args = self._layer_args(query.device)
         k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
-        t = md.attention
-        launches = [
-            KernelLaunch(
-                t.kernel,
-                t.grid,
-                {
-                    **t.kwargs,
-                    **attention_args,
-                    **cache_strides,
-                    "Out": output,
-                    "Q": query,
-                    "KCache": k_cache,
-                    "VCache": v_cache,
-                    "stride_qt": qs[0],
-                    "stride_qh": qs[1],
-                    "stride_ot": os_[0],
-                    "stride_oh": os_[1],
-                },
-            )
-        ]
-        r = md.reduce
-        if r is not None:
-            launches.append(
-                KernelLaunch(
-                    r.kernel,
-                    r.grid,
-                    {
-                        **r.kwargs,
-                        **reduce_args,
-                        "Out": output,
-                        "stride_ot": os_[0],
-                        "stride_oh": os_[1],
-                    },
-                )
-            )
+        layer_args = {
+            **attention_args,
+            **cache_strides,
+            "Out": output,
+            "Q": query,
+            "KCache": k_cache,
+            "VCache": v_cache,
+            "stride_qt": qs[0],
+            "stride_qh": qs[1],
+            "stride_ot": os_[0],
+            "stride_oh": os_[1],
+        }
+        out_args = {**reduce_args, "Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
+        launches = []
+        for part in md.parts:
+            t = part.attention
+            launches.append(KernelLaunch(t.kernel, t.grid, {**t.kwargs, **layer_args}))
+            r = part.reduce
+            if r is not None:
+                launches.append(KernelLaunch(r.kernel, r.grid, {**r.kwargs, **out_args}))
         return launches
 
     # -- per layer, computed once -----------------------------------------------------

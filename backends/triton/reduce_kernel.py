@@ -1,6 +1,6 @@
 """Merge the split-KV partial results of ``unified_attention_kernel`` into the output.
 
-Grid ``(T, Hq)``: one program per (token, query head) rescales each split's
+Grid ``(T, Hq)`` over the tokens of the launch's requests: one program per (token, query head) rescales each split's
 unnormalised accumulator by exp2(max_s - max) and divides by the merged
 denominator, to which the attention sink (if any) contributes its own term.
 Padding tokens (past query_start_loc[num_seqs]) are skipped.
@@ -45,7 +45,8 @@ def reduce_splits_kernel(
     USE_SINKS: tl.constexpr,
     ORDERED: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # a launch over a part of the step: its tokens start at its first request's
+    token = tl.program_id(0) + tl.load(QueryStartLoc)
     head = tl.program_id(1)
     if token >= tl.load(QueryStartLoc + num_seqs):
         return

@@ -67,9 +67,12 @@ def run_pagedkv(
         fill_cache(backend, kv_cache, problem)
         impl = backend.make_impl(spec)
         metadata = backend.make_builder(spec, device).build(problem.common)
-        for name in ("tile", "num_splits"):
-            if hasattr(metadata, name):
-                row.config[name] = str(getattr(metadata, name))
+        if callable(getattr(type(metadata), "describe", None)):
+            row.config["plan"] = metadata.describe()  # e.g. the triton backend's launches
+        else:
+            for name in ("tile", "num_splits"):
+                if hasattr(metadata, name):
+                    row.config[name] = str(getattr(metadata, name))
         out = problem.query.new_empty(problem.query.shape[0], spec.num_heads, spec.head_size_v)
 
         def attend() -> None:

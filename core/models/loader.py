@@ -37,10 +37,14 @@ def random_model(config: Any, *, dtype: torch.dtype, device: str, seed: int) -> 
     """A transformers causal LM from ``config`` with seeded random weights (the global
     RNG is left as it was)."""
     transformers = require_transformers()
-    with torch.random.fork_rng(devices=[]):
+    target = torch.device(device)
+    cuda = [target.index or 0] if target.type == "cuda" else []
+    # the weights are drawn where they will live: an 8B model's random init takes
+    # seconds on a GPU and a minute on CPU cores
+    with torch.random.fork_rng(devices=cuda), target:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.to(device)
+    return model.to(target)
 
 
 def model_directory(name_or_path: str) -> Path | None:

@@ -98,11 +98,67 @@ class SplitPolicy:
             by_occupancy = int(self.target_programs_per_sm * num_sms // num_programs)
             by_length = max_seq_len // self.min_keys_per_split
             splits = max(1, min(self.max_splits, by_occupancy, by_length))
+        return self._choice(splits, max_seq_len, granule)
+
+    def choose_by_makespan(
+        self,
+        keys: np.ndarray,
+        slots: int,
+        *,
+        granule: int,
+        overhead_keys: float,
+        merge_keys_per_split: float = 0.0,
+        max_splits: int | None = None,
+        copies: int = 1,
+    ) -> SplitChoice:
+        """Splits that minimise the estimated time of a grid whose programs stream
+        ``keys[i]`` keys each (one entry per program before splitting: query tiles x
+        heads; each entry stands for ``copies`` programs, e.g. one per KV head), on a GPU
+        that runs ``slots`` programs at once.
+
+        Split ``s`` cuts every program into ``s`` programs of ceil(keys / s) keys (in
+        whole ``granule`` steps), each also paying ``overhead_keys`` (start-up, epilogue).
+        The grid's time is estimated as list scheduling bounds it: the total work spread
+        over the slots, or the longest program if that is longer, plus half the longest
+        program for the tail (the last wave's programs start unevenly); a split grid
+        also pays ``merge_keys_per_split`` per split for the reduction. So a uniform
+        grid that fills its slots 1.3 times splits until its waves are even, a ragged
+        one until its longest request is no longer the critical path, and a full one
+        does not split. The fewest splits within ``MAKESPAN_TIE`` of the best win.
+        Candidates keep at least ``min_keys_per_split`` keys per split of the longest
+        program, and at most ``max_splits`` (default: the policy's)."""
+        keys = np.asarray(keys, dtype=np.float64)
+        longest = float(keys.max(initial=0.0))
+        limit = min(max_splits or self.max_splits, self.max_splits)
+        limit = max(1, min(limit, int(longest) // self.min_keys_per_split))
+        candidates = np.array([s for s in _SPLIT_CANDIDATES if s <= limit] or [1])
+        steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
+        per_program = (
+            np.ceil(steps[None, :] / candidates[:, None]) * granule + overhead_keys
+        )  # [S, P]
+        total = per_program.sum(axis=1) * (candidates * copies / max(1, slots))
+        longest_program = per_program.max(axis=1, initial=0.0)
+        estimate = np.maximum(total, longest_program) + longest_program / 2
+        estimate += np.where(candidates > 1, candidates * merge_keys_per_split, 0.0)
+        best = estimate.min()
+        splits = int(candidates[np.argmax(estimate <= best * (1 + MAKESPAN_TIE))])
+        return self._choice(splits, int(longest), granule)
+
+    @staticmethod
+    def _choice(splits: int, max_seq_len: int, granule: int) -> SplitChoice:
         if splits == 1 or max_seq_len <= 0:
             return SplitChoice(1, max(granule, cdiv(max(max_seq_len, 1), granule) * granule))
         keys = cdiv(cdiv(max_seq_len, splits), granule) * granule
         # no split is empty for the longest sequence
         return SplitChoice(cdiv(max_seq_len, keys), keys)
+
+
+# Split counts the makespan rule compares (each a whole number of even shares; between
+# two of them the estimate changes little)
+_SPLIT_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Estimates within this fraction of the best are a tie, won by fewer splits (each split
+# adds partial results to write and merge, which the estimate only approximates)
+MAKESPAN_TIE = 0.05
 
 
 # -- the split-KV combinator: slices of long decodes as extra requests ---------------------
