@@ -87,6 +87,7 @@ def _variants() -> list[Variant]:
     ]
     # 256-wide heads (64-key tiles: one box per 64-row page, two boxes per 128-row one)
     out += [Variant(256, b, g, torch.bfloat16) for b, g in ((16, 4), (64, 1), (128, 8))]
+    out.append(Variant(128, 128, 4, torch.bfloat16))  # one page per key tile
     out += [Variant(d, 16, 4, torch.bfloat16, causal=False) for d in (64, 128)]
     return out
 
@@ -166,6 +167,7 @@ def test_applies_to_16_bit_prefill_layers_on_sm90():
         ({"head_size": 80}, HOPPER, "head size 80"),
         ({"block_size": 48}, HOPPER, "block size 48"),
         ({"block_size": 8}, HOPPER, "block size 8"),
+        ({"block_size": 256}, HOPPER, "block size 256"),
         ({"sliding_window": 128}, HOPPER, "sliding window"),
         ({"logits_soft_cap": 30.0}, HOPPER, "soft cap"),
         ({"alibi_slopes": tuple([0.5] * 32)}, HOPPER, "ALiBi"),

@@ -58,7 +58,7 @@ MAX_NREG = 168
 # accumulators of a consumer fit its 240 registers; Q + STAGES x (K + V) fit 227 KiB
 TILES = {64: (128, 4), 128: (128, 2), 256: (64, 2)}
 HEAD_SIZES = tuple(TILES)
-BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two: a TMA box is one page or divides one
+BLOCK_SIZES = (16, 32, 64, 128)  # a TMA box is one page, or a tile's part of one
 _16_BIT = (torch.float16, torch.bfloat16)
 # TMA coordinates are 32-bit: the out-of-range row (num_blocks * block_size) must fit
 _MAX_TMA_ROWS = 2**31 - 1
