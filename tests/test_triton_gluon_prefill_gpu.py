@@ -75,6 +75,16 @@ def _cases() -> list[Scenario]:
         _scenario(
             "d128-b16-g4-scaled", 128, 16, 4, torch.bfloat16, scale=0.3, k_scale=2.0, v_scale=0.5
         ),
+        # more requests than one vector load of query_start_loc covers (128)
+        _scenario(
+            "d64-b16-g4-150-requests",
+            64,
+            16,
+            4,
+            torch.float16,
+            seq_lens=tuple(40 + (37 * i) % 260 for i in range(150)),
+            query_lens=tuple(1 + (13 * i) % 40 for i in range(150)),
+        ),
         # the benchmark's chunk: 2048 queries after 8k of context
         _scenario(
             "d128-b16-g4-chunk-after-8k",

@@ -30,8 +30,12 @@ Rows (GQA packing, as in the portable kernel): row ``r`` of a program is query t
 ``q_block * BLOCK_Q + r // GROUP`` of one request and query head ``kv_head * GROUP +
 r % GROUP``, with ``BLOCK_Q = 128 // GROUP``. Every program fills the 128 rows of two
 m64 wgmmas whatever GROUP is (down to chunks of ``BLOCK_Q`` tokens), and each K/V tile
-is read once for the GROUP heads that share it. The query rows are loaded through
-registers with masks (rows past the request's tokens are zeros, never stored).
+is read once for the GROUP heads that share it. Each consumer loads its query rows
+through registers (masked: rows past the request's tokens are zeros, never stored)
+while the producer fetches the first tiles; with one CTA per SM (its shared memory
+and registers) a CTA's start is not hidden by another's, so the prologue keeps its
+chain of dependent memory round trips short (the owning request is found with one
+vector load of ``query_start_loc``, not a binary search).
 
 Keys: a causal program visits the tiles up to its last token's position (both
 consumers the same count, so the ping-pong barriers pair up); the tiles every row
@@ -64,17 +68,19 @@ _WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
 @gluon.jit
 def _find_sequence(QueryStartLoc, q_block, num_seqs, BLOCK_Q: gl.constexpr):
     """The request owning global query block ``q_block``; request i's blocks start at
-    query_start_loc[i] // BLOCK_Q + i (an upper bound that needs no prefix sum)."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start = gl.load(QueryStartLoc + mid) // BLOCK_Q + mid
-        if start <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    query_start_loc[i] // BLOCK_Q + i (an upper bound that needs no prefix sum). These
+    starts increase with i, so the owner is the last request starting at or before
+    ``q_block``: counted over up to 128 requests per load (one memory round trip for
+    most steps, where a binary search makes log2(num_seqs) dependent ones)."""
+    CHUNK: gl.constexpr = 32 * gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    count = 0
+    for first in range(0, num_seqs, CHUNK):
+        i = first + gl.arange(0, CHUNK, layout=layout)
+        ok = i < num_seqs
+        start = gl.load(QueryStartLoc + i, mask=ok, other=0) // BLOCK_Q + i
+        count += gl.sum(((start <= q_block) & ok).to(gl.int32), axis=0)
+    return count - 1
 
 
 @gluon.jit
@@ -157,7 +163,8 @@ def _consumer(a, HEAD_SIZE: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.const
               WG: gl.constexpr):  # fmt: skip
     """The program of consumer warpgroup WG (0 or 1): rows [64 WG, 64 WG + 64)."""
     (q_s, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, n_tiles, n_full, q_pos0,
-     q_start, q_len, q_block, kv_head, qk_scale, out_scale, Out, stride_ot, stride_oh) = a  # fmt: skip
+     q_start, q_len, q_block, kv_head, qk_scale, out_scale, Q, Out, stride_qt, stride_qh,
+     stride_ot, stride_oh) = a  # fmt: skip
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
@@ -168,6 +175,22 @@ def _consumer(a, HEAD_SIZE: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.const
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_wg = q_s.slice(WG * _WG_ROWS, _WG_ROWS, dim=0)
+    # this warpgroup's query rows, through registers while the producer fetches the
+    # first tiles (rows past the request's tokens are zero)
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, q_load))
+    token = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    q_row = (q_start + token).to(gl.int64) * stride_qt + head * stride_qh
+    COLS: gl.constexpr = 64
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
+    q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < COLS, 0)
+    q_ptr = Q + gl.expand_dims(q_row, 1) + gl.expand_dims(cols, 0)
+    for c in gl.static_range(HEAD_SIZE // COLS):
+        chunk = gl.load(q_ptr + c * COLS, mask=q_mask, other=0.0)
+        q_wg.slice(c * COLS, COLS, dim=1).store(chunk)
+    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored
     # each row's causal limit: its token's absolute position (rows past the request's
     # tokens see more, harmlessly: they are never stored)
     q_pos = q_pos0 + (WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=row_s)) // GROUP
@@ -306,24 +329,9 @@ def gluon_prefill_kernel(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    # -- the query rows through registers (rows past the request's tokens are zero) -------
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows = gl.arange(0, 2 * _WG_ROWS, layout=gl.SliceLayout(1, q_load))
-    token = q_block * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
-    q_row = (q_start + token).to(gl.int64) * stride_qt + head * stride_qh
-    COLS: gl.constexpr = 64
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
-    q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < COLS, 0)
-    q_ptr = Q + gl.expand_dims(q_row, 1) + gl.expand_dims(cols, 0)
-    for c in gl.static_range(HEAD_SIZE // COLS):
-        chunk = gl.load(q_ptr + c * COLS, mask=q_mask, other=0.0)
-        q_s.slice(c * COLS, COLS, dim=1).store(chunk)
-    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored
-
     c = (q_s, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, n_tiles, n_full, q_pos0,
-         q_start, q_len, q_block, kv_head, qk_scale, v_scale, Out, stride_ot, stride_oh)  # fmt: skip
+         q_start, q_len, q_block, kv_head, qk_scale, v_scale, Q, Out, stride_qt, stride_qh,
+         stride_ot, stride_oh)  # fmt: skip
     p = (k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, KCache, VCache, table_row, num_pages,
          kv_head * HEAD_SIZE, oob_row, n_tiles)  # fmt: skip
     gl.warp_specialize(
