@@ -11,7 +11,8 @@ JIT functions there). Each result carries the shared memory, and the registers a
 spill bytes ptxas reported (None when the kernel came from Triton's cache). Launches
 are described by ``(kernel, args, kwargs)``:
 ``kernel`` a @triton.jit function (or its interpreted twin: only its module and
-name travel), tensors travel as dtype, shape, strides and pointer alignment.
+name travel), tensors travel as dtype, shape, strides and pointer alignment, TMA
+descriptors (Triton's and Gluon's) as their box and layout over such a tensor.
 
     results = compile_launches([(kernel, args, kwargs), ...])
     assert all(r.ok for r in results), "\\n".join(r.error for r in results if not r.ok)
@@ -131,9 +132,54 @@ def compile_launches(
     return results
 
 
+@dataclass(frozen=True)
+class _DescriptorArg:
+    """A TMA descriptor (Triton's, or Gluon's with its shared layout): what compiles
+    from it is its base's dtype and alignment, its box and its layout."""
+
+    base: _TensorArg
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    gluon_layout: Any  # None: a Triton descriptor
+
+
 def _pack(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return _TensorArg(arg.dtype, tuple(arg.shape), tuple(arg.stride()), arg.data_ptr() % 16)
+    descriptor = _pack_descriptor(arg)
+    return arg if descriptor is None else descriptor
+
+
+def _pack_descriptor(arg: Any) -> _DescriptorArg | None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    except ImportError:  # a Triton without Gluon
+        GluonDescriptor = TensorDescriptor
+    if not isinstance(arg, (TensorDescriptor, GluonDescriptor)):
+        return None
+    b = arg.base  # a tensor, or a _FakeTensor
+    base = _TensorArg(b.dtype, tuple(b.shape), tuple(b.stride()), b.data_ptr() % 16)
+    layout = arg.layout if isinstance(arg, GluonDescriptor) else None
+    return _DescriptorArg(
+        base, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape), layout
+    )
+
+
+def _unpack(arg: Any) -> Any:
+    if isinstance(arg, _TensorArg):
+        return _FakeTensor(arg)
+    if isinstance(arg, _DescriptorArg):
+        shape, strides, box = list(arg.shape), list(arg.strides), list(arg.block_shape)
+        if arg.gluon_layout is not None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+            return GluonDescriptor(_FakeTensor(arg.base), shape, strides, box, arg.gluon_layout)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(_FakeTensor(arg.base), shape, strides, box)
     return arg
 
 
@@ -173,8 +219,8 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    real_args = [_FakeTensor(a) if isinstance(a, _TensorArg) else a for a in args]
-    kwargs = {k: _FakeTensor(v) if isinstance(v, _TensorArg) else v for k, v in kwargs.items()}
+    real_args = [_unpack(a) for a in args]
+    kwargs = {k: _unpack(v) for k, v in kwargs.items()}
     kwargs.setdefault("debug", False)
     bound_args, specialization, options = binder(*real_args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(
