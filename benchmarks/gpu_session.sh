@@ -156,7 +156,7 @@ for section in "$@"; do
     serving)  # SERVING_BACKENDS, SERVING_REQUESTS select
       for backend in ${SERVING_BACKENDS:-triton}; do
         run "serving-$backend" $PY benchmarks/serving_throughput.py --backend "$backend" \
-          --requests ${SERVING_REQUESTS:-64} ${SERVING_ARGS:-} --json "$OUT/serving-$backend.json"
+          --requests ${SERVING_REQUESTS:-64} ${SERVING_ARGS:-}
         tail -n 20 "$OUT/serving-$backend.log"
       done
       ;;

@@ -37,6 +37,41 @@ def test_a_backend_without_graphs_is_refused_when_graphs_are_required():
         Engine(TinyDecoder(head_size=32), config)
 
 
+class _RecordingModel:
+    """Forwards to a model and records the tensors of each call."""
+
+    def __init__(self, model: TinyDecoder) -> None:
+        self.model = model
+        self.calls: list[tuple[torch.Tensor, ...]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, positions, rows, attention):
+        self.calls.append((input_ids, positions, rows))
+        return self.model.forward(input_ids, positions, rows, attention)
+
+
+def test_replays_read_only_tensors_the_graph_holds():
+    """A CUDA graph replays the addresses it captured: every tensor its forward read
+    must be held by the DecodeGraph, and a replay reads exactly those (a temporary
+    made at capture and dropped would be freed memory at replay, as the rows of the
+    logits once were: a device-side index assert on the H200)."""
+    model = _RecordingModel(TinyDecoder(head_size=32))
+    config = EngineConfig(backend="triton", max_model_len=64, max_num_seqs=2)
+    engine = Engine(model.model, config)
+    graphs = DecodeGraphs(model, engine.runner.kv, (2,), config.max_blocks_per_seq, capture=False)
+    graph = graphs.graphs[2]
+    captured = model.calls[-1]
+    held = (graph.input_ids, graph.positions, graph.rows)
+    assert all(a is b for a, b in zip(captured, held, strict=True))
+    engine.runner.graphs = graphs
+    engine.generate([[3, 1, 4], [2, 7]], [SamplingParams(max_tokens=3)] * 2)
+    assert graphs.num_replays > 0
+    for call in model.calls[1:]:
+        assert all(a is b for a, b in zip(call, held, strict=True))
+
+
 @pytest.mark.parametrize("backend", ["triton"])
 def test_decode_buckets_replay_what_was_reserved(backend):
     """The graph path without the CUDA graph (capture=False), on a CPU: decode steps

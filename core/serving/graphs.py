@@ -52,6 +52,9 @@ class DecodeGraph:
     builders: list[AttentionMetadataBuilder[Any]]
     input_ids: torch.Tensor  # [batch_size] int64, static
     positions: torch.Tensor  # [batch_size] int64, static
+    # every tensor the captured forward reads must live as long as the graph: a
+    # replay reads their addresses, whatever the allocator has put there since
+    rows: torch.Tensor  # [batch_size] int64, static: the rows whose logits are computed
     logits: torch.Tensor  # [batch_size, vocab], written by every replay
     graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (capture=False)
     attention: StepAttention  # the metadata the graph was captured with
@@ -107,7 +110,7 @@ class DecodeGraphs:
         rows = torch.arange(size, device=device)
         if not self.capture:
             logits = self.model.forward(input_ids, positions, rows, attention)
-            return DecodeGraph(size, builders, input_ids, positions, logits, None, attention)
+            return DecodeGraph(size, builders, input_ids, positions, rows, logits, None, attention)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm up: lazy inits, autotuning, allocator
@@ -117,7 +120,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.model.forward(input_ids, positions, rows, attention)
-        return DecodeGraph(size, builders, input_ids, positions, logits, graph, attention)
+        return DecodeGraph(size, builders, input_ids, positions, rows, logits, graph, attention)
 
     def bucket(self, num_seqs: int) -> DecodeGraph | None:
         """The smallest captured batch that holds ``num_seqs`` decodes."""
@@ -134,8 +137,9 @@ class DecodeGraphs:
         graph.positions.copy_(inputs.positions, non_blocking=True)
         self.num_replays += 1
         if graph.graph is None:
-            rows = torch.arange(graph.batch_size, device=self.kv.device)
-            logits = self.model.forward(graph.input_ids, graph.positions, rows, graph.attention)
+            logits = self.model.forward(
+                graph.input_ids, graph.positions, graph.rows, graph.attention
+            )
             return logits[inputs.logits_indices]
         graph.graph.replay()
         return graph.logits[inputs.logits_indices]
