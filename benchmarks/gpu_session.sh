@@ -160,6 +160,27 @@ for section in "$@"; do
         tail -n 20 "$OUT/serving-$backend.log"
       done
       ;;
+    serving-matrix)  # the serving table (docs/benchmarks.md), one run at a time;
+      # TRITON_CONFIG: the triton backend's config string
+      triton_config=${TRITON_CONFIG:-triton}
+      LIMIT=130 run serving-triton-64 $PY benchmarks/serving_throughput.py \
+        --backend "$triton_config" --requests 64
+      LIMIT=90 run serving-triton-256 $PY benchmarks/serving_throughput.py \
+        --backend "$triton_config" --requests 256 --no-compare
+      for backend in flash_attn flashinfer; do  # FlashInfer last: its JIT compiles first
+        LIMIT=85 run "serving-$backend-64" $PY benchmarks/serving_throughput.py \
+          --backend "$backend" --requests 64 --no-compare
+      done
+      ;;
+    gluon)  # the Gluon prefill through the backend: correctness, then timing
+      LIMIT=70 conform triton quick &
+      LIMIT=70 run graph-tests $PY -m pytest -q -p no:cacheprovider tests/test_serving_graphs.py \
+        tests/test_triton_backend.py -k "graph or gluon or two or scales" &
+      wait
+      LIMIT=45 run bench-prefill $PY -m pagedkv.cli bench --backends triton --baseline none \
+        --workloads prefill-8x2048,prefill-2x8192,chunked-prefill-4x2048+8k \
+        --json "$OUT/bench-prefill.json" --markdown "$OUT/bench-prefill.md"
+      ;;
     *) log "unknown section $section" ;;
   esac
 done

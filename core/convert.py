@@ -7,12 +7,13 @@ their raw bytes: the stored values and the spec's scales stay valid).
 
 - Same bytes (e.g. the ``(2, N, B, H, D)`` caches of torch, triton and flash_attn):
   no copy, the source tensor is returned.
-- Otherwise blocks move in chunks: each chunk is gathered from the source views into
-  a temporary of ``chunk_blocks`` blocks (K and V: ``chunk_blocks * block_bytes``
-  bytes, ``spec.kv_bytes_per_token() * block_size`` per block) and scattered into the
-  destination, so the extra memory is bounded by the chunk, never a second full
-  logical copy. The destination cache itself is new (or ``out=``).
-- ``blocks=`` converts only the blocks in use (the rest of the destination stays zero).
+- Otherwise blocks move in chunks of ``chunk_blocks``. The whole cache moves as ranges
+  of blocks copied from the source views straight into the destination's (no buffer).
+  ``blocks=`` converts only the blocks in use (the rest of the destination stays
+  zero): each chunk of ids is gathered into a temporary of ``chunk_blocks`` blocks (K
+  and V: ``chunk_blocks * block_bytes`` bytes, ``spec.kv_bytes_per_token() *
+  block_size`` per block) and scattered, so the extra memory is bounded by the chunk,
+  never a second full logical copy. The destination cache itself is new (or ``out=``).
 
 MLA latent caches convert only to latent caches.
 """
@@ -70,13 +71,20 @@ def convert_kv_cache(
                 f"convert_kv_cache: out holds {out.shape[dst_layout.block_axis]} blocks, the "
                 f"source {num_blocks}"
             )
-    ids = _block_ids(blocks, num_blocks, src_cache.device)
     src_k, src_v = src_layout.logical(src_cache, spec)
     dst_k, dst_v = dst_layout.logical(out, spec)
     views = [(src_k, dst_k)] if spec.is_mla else [(src_k, dst_k), (src_v, dst_v)]
     if src_cache.element_size() == 1:  # fp8: move the bytes (index ops need no fp8 kernels)
         views = [(s.view(torch.uint8), d.view(torch.uint8)) for s, d in views]
     step = chunk_blocks or max(1, DEFAULT_CHUNK_BYTES // _block_bytes(spec))
+    if blocks is None:
+        # every block: ranges of blocks copied view to view, one strided copy each,
+        # through no buffer (each byte read and written once)
+        for start in range(0, num_blocks, step):
+            for src, dst in views:
+                dst[start : start + step].copy_(src[start : start + step])
+        return out
+    ids = _block_ids(blocks, num_blocks, src_cache.device)
     for start in range(0, ids.numel(), step):
         chunk = ids[start : start + step]
         for src, dst in views:

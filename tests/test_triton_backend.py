@@ -29,6 +29,7 @@ from pagedkv.backends.triton.configs import (
     SPLIT_POLICY,
     LayerShape,
     StepShape,
+    TileConfig,
     fits,
     plan_step,
     plan_tiles,
@@ -87,6 +88,8 @@ SCENARIOS = [
     Scenario(
         "non-causal-window", seq_lens=(30, 12), query_lens=(30, 12), causal=False, sliding_window=9
     ),
+    # the scales belong to fp8 caches: a 16-bit cache is read as it is
+    Scenario("scales-on-a-16-bit-cache", **MIXED, k_scale=0.5, v_scale=0.5),
     Scenario("fp8-e4m3", **MIXED, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0),
     Scenario("fp8-e5m2", **MIXED, kv_cache_dtype="fp8_e5m2", k_scale=0.25, v_scale=1.5),
     Scenario(
@@ -513,3 +516,30 @@ def test_forward_argument_errors_name_the_argument():
     other = backend.make_impl(spec.replace(num_heads=8))
     with pytest.raises(UnsupportedError, match="metadata: planned for Hq 4, Hkv 2, D 64"):
         other.forward(torch.randn(3, 8, 64, device=DEVICE).half(), None, None, cache, md)
+
+
+def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
+    """Where the layer allows the Gluon sm_90 kernel (on a CPU its reason is the
+    device), whole prefill steps take it; steps with decodes, split steps and tuning
+    overrides keep the portable kernel; the batch-invariant mode never takes it."""
+    spec = SPEC.replace(dtype=torch.float16)
+    builder = pagedkv.get_backend("triton").make_builder(spec, "cpu")
+    assert builder.gluon_problem is not None  # no sm_90 here
+    builder.gluon_problem = None  # as on an H200
+
+    def step(seq_lens, query_lens):
+        blocks = [list(range(1 + 20 * i, 1 + 20 * i + -(-s // 16))) for i, s in enumerate(seq_lens)]
+        return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, "cpu")
+
+    assert builder.build(step([200, 150], [200, 100])).gluon is not None
+    assert builder.build(step([200, 150], [1, 1])).gluon is None  # decodes
+    assert builder.build(step([200, 300], [1, 100])).gluon is None  # two parts
+    assert builder.build(step([20, 24], [20, 24])).gluon is None  # no 128-row tile
+    tile = TileConfig(64, 32, 4, 2)
+    assert builder.build(step([200, 150], [200, 100]), tile=tile).gluon is None
+    invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, "cpu")
+    assert "batch-invariant" in invariant.gluon_problem
+    portable = pagedkv.get_backend("triton", prefill_kernel="portable").make_builder(spec, "cpu")
+    assert "prefill_kernel=portable" in portable.gluon_problem
+    with pytest.raises(ConfigError, match="prefill_kernel"):
+        pagedkv.get_backend("triton", prefill_kernel="fast")

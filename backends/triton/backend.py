@@ -61,6 +61,13 @@ class TritonBackend(AttentionBackend):
             "(fixed keys per split, a fixed tile per layer, a batch-independent reduction order)",
             kind=bool,
         ),
+        "prefill_kernel": BackendOption(
+            default="auto",
+            help="prefill steps: auto (the Gluon warp-specialized kernel where it runs: "
+            "sm_90, 16-bit, D 64/128/256, causal or not, no window/soft cap/ALiBi/sinks), "
+            "portable (the unified Triton kernel everywhere)",
+            choices=("auto", "portable"),
+        ),
     }
 
     def __init__(self, **options: OptionValue) -> None:

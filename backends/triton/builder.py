@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
+from pagedkv.backends.triton import gluon_plan
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
     LayerShape,
@@ -25,6 +26,11 @@ from pagedkv.backends.triton.configs import (
     check_forced_splits,
     plan_step,
     reduce_warps,
+)
+from pagedkv.backends.triton.gluon_plan import (
+    GluonPrefillStep,
+    gluon_prefill_problem,
+    plan_gluon_prefill,
 )
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.intmath import next_power_of_2
@@ -56,6 +62,9 @@ class TritonMetadata(BackendMetadata):
 
     layer: LayerShape  # the layer shape the plan was made for
     parts: tuple[PartLaunches, ...]
+    # the Gluon sm_90 prefill kernel's launch for this step, when it runs it (the impl
+    # falls back to ``parts`` for a cache TMA cannot read)
+    gluon: GluonPrefillStep | None = None
 
     @property
     def plan(self) -> TilePlan:
@@ -74,6 +83,8 @@ class TritonMetadata(BackendMetadata):
         return max(p.plan.num_splits for p in self.parts)
 
     def describe(self) -> str:
+        if self.gluon is not None:
+            return f"Gluon sm_90 prefill, {self.gluon.kwargs['TILE_N']}-key tiles"
         return ", ".join(
             f"requests {p.first}-{p.end - 1}: {p.plan.tile}, {p.plan.num_splits} split(s)"
             for p in self.parts
@@ -82,7 +93,8 @@ class TritonMetadata(BackendMetadata):
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """Chooses tiles and splits per step. Options: ``num_splits`` (0 = chosen per
-    step), ``batch_invariant`` (a plan that does not depend on the batch)."""
+    step), ``batch_invariant`` (a plan that does not depend on the batch),
+    ``prefill_kernel`` (``portable``: never the Gluon prefill kernel)."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
         super().__init__(spec, device, **options)
@@ -90,6 +102,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.batch_invariant = bool(options.get("batch_invariant"))
         self.layer = LayerShape.of(spec)
         self.num_sms = num_sms(self.device)
+        # why prefill steps cannot run the Gluon sm_90 kernel here (None: they do)
+        if self.batch_invariant:
+            self.gluon_problem = "the batch-invariant mode keeps one kernel and tile per layer"
+        elif options.get("prefill_kernel", "auto") == "portable":
+            self.gluon_problem = "option prefill_kernel=portable"
+        else:
+            self.gluon_problem = gluon_prefill_problem(spec, self.device)
         # stands in for the tensor arguments a launch never reads
         self._unused = torch.zeros(1, dtype=torch.float32, device=self.device)
 
@@ -127,7 +146,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         launches = tuple(
             self._part_launches(common, part, partials, len(parts) == 1) for part in parts
         )
-        return TritonMetadata(common, layer, launches)
+        gluon = None
+        if (
+            self.gluon_problem is None
+            and tile is None
+            and len(parts) == 1
+            and not parts[0].plan.split
+            and step.max_query_len * layer.group >= gluon_plan.BLOCK_M
+        ):
+            # a prefill or chunked-prefill step (whole 128-row tiles, no split); steps
+            # with decodes keep the portable kernel, whose parts fit them
+            gluon = plan_gluon_prefill(s, common)
+        return TritonMetadata(common, layer, launches, gluon)
 
     def _part_launches(
         self,

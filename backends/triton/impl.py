@@ -18,6 +18,11 @@ import torch
 from pagedkv.backend import AttentionImpl
 from pagedkv.backends.triton.builder import TritonMetadata
 from pagedkv.backends.triton.configs import LayerShape
+from pagedkv.backends.triton.gluon_plan import (
+    gluon_cache_args,
+    gluon_cache_problem,
+    gluon_layer_args,
+)
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelLaunch, run_launches
@@ -31,11 +36,13 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         super().__init__(spec, sinks=sinks, **options)
         self.layer = LayerShape.of(spec)
         s = spec
+        # only an fp8 cache stores x / scale (docs/contract.md): a 16-bit one is read as is
+        k_scale, v_scale = (s.k_scale, s.v_scale) if s.is_fp8_kv else (1.0, 1.0)
         # the layer's part of the launches, without its device tensors
         self._attention_args: dict[str, Any] = dict(
-            qk_scale=s.scale * s.k_scale * (1.0 if s.logits_soft_cap else LOG2E),
+            qk_scale=s.scale * k_scale * (1.0 if s.logits_soft_cap else LOG2E),
             softcap=float(s.logits_soft_cap or 0.0),
-            v_scale=float(s.v_scale),
+            v_scale=float(v_scale),
             window=int(s.sliding_window or 0),
             CAUSAL=s.causal,
             USE_WINDOW=s.sliding_window is not None,
@@ -47,6 +54,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         # per device: the layer's arguments with its sinks / ALiBi slopes there
         self._by_device: dict[torch.device, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._views: _CacheViews | None = None
+        self._gluon_layer_args = gluon_layer_args(spec)
 
     def attend(
         self,
@@ -75,6 +83,10 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         if qs[2] != 1 or os_[2] != 1:
             name = "query" if qs[2] != 1 else "output"
             raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
+        if md.gluon is not None:
+            gluon_cache = self._gluon_cache_args(kv_cache)
+            if gluon_cache is not None:
+                return [md.gluon.launch(query, output, self._gluon_layer_args, gluon_cache)]
         attention_args, reduce_args = self._layer_args(query.device)
         k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
         layer_args = {
@@ -157,11 +169,26 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         )
         return k, v, strides
 
+    def _gluon_cache_args(self, kv_cache: torch.Tensor) -> dict[str, Any] | None:
+        """The Gluon kernel's TMA descriptors over ``kv_cache`` (once per cache, with its
+        views), or None when TMA cannot read this cache (the portable kernel runs)."""
+        self._cache_views(kv_cache)
+        memo = self._views
+        assert memo is not None
+        if memo.gluon is _UNSET:
+            k, v = self.layout().logical(kv_cache, self.spec)
+            problem = gluon_cache_problem(k, v)
+            memo.gluon = None if problem else gluon_cache_args(self.spec, k, v)
+        return memo.gluon  # type: ignore[return-value]
+
     def _forget_views(self, _: object) -> None:
         self._views = None
 
 
-@dataclass(frozen=True)
+_UNSET = object()
+
+
+@dataclass
 class _CacheViews:
     """The K/V views of the last cache an impl attended over."""
 
@@ -171,3 +198,6 @@ class _CacheViews:
     k: torch.Tensor
     v: torch.Tensor
     strides: dict[str, int]
+    # the Gluon kernel's descriptors over this cache (None: TMA cannot read it), made
+    # on its first Gluon step
+    gluon: object = _UNSET
