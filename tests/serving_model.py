@@ -12,7 +12,8 @@ from pagedkv.spec import AttentionSpec
 
 class TinyDecoder(torch.nn.Module):
     """Embedding + learned positions, ``len(windows)`` attention layers (GQA; the
-    window of layer i is ``windows[i]``) with residuals, and a head. float32."""
+    window of layer i is ``windows[i]``) with residuals, and a head, in ``dtype``
+    (float32 by default; 16-bit for backends that run only those)."""
 
     def __init__(
         self,
@@ -24,6 +25,7 @@ class TinyDecoder(torch.nn.Module):
         windows: tuple[int | None, ...] = (None, 6),
         max_positions: int = 256,
         seed: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -41,6 +43,8 @@ class TinyDecoder(torch.nn.Module):
             )
             self.head = torch.nn.Linear(hidden, vocab_size)
         self.requires_grad_(False)
+        self.dtype = dtype
+        self.to(dtype)
 
     def attention_layers(self, block_size: int) -> list[AttentionLayer]:
         return [
@@ -49,7 +53,7 @@ class TinyDecoder(torch.nn.Module):
                     num_heads=self.num_heads,
                     num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size,
-                    dtype=torch.float32,
+                    dtype=self.dtype,
                     block_size=block_size,
                     sliding_window=w,
                 )

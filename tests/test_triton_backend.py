@@ -523,13 +523,14 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
     device), whole prefill steps take it; steps with decodes, split steps and tuning
     overrides keep the portable kernel; the batch-invariant mode never takes it."""
     spec = SPEC.replace(dtype=torch.float16)
-    builder = pagedkv.get_backend("triton").make_builder(spec, "cpu")
-    assert builder.gluon_problem is not None  # no sm_90 here
+    builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
+    if not ON_GPU:
+        assert builder.gluon_problem is not None  # no sm_90 here
     builder.gluon_problem = None  # as on an H200
 
     def step(seq_lens, query_lens):
         blocks = [list(range(1 + 20 * i, 1 + 20 * i + -(-s // 16))) for i, s in enumerate(seq_lens)]
-        return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, "cpu")
+        return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
 
     assert builder.build(step([200, 150], [200, 100])).gluon is not None
     assert builder.build(step([200, 150], [1, 1])).gluon is None  # decodes
@@ -537,9 +538,9 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
     assert builder.build(step([20, 24], [20, 24])).gluon is None  # no 128-row tile
     tile = TileConfig(64, 32, 4, 2)
     assert builder.build(step([200, 150], [200, 100]), tile=tile).gluon is None
-    invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, "cpu")
+    invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, DEVICE)
     assert "batch-invariant" in invariant.gluon_problem
-    portable = pagedkv.get_backend("triton", prefill_kernel="portable").make_builder(spec, "cpu")
+    portable = pagedkv.get_backend("triton", prefill_kernel="portable").make_builder(spec, DEVICE)
     assert "prefill_kernel=portable" in portable.gluon_problem
     with pytest.raises(ConfigError, match="prefill_kernel"):
         pagedkv.get_backend("triton", prefill_kernel="fast")
