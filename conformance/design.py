@@ -240,9 +240,9 @@ def _batches(b: int, level: str) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         "prefill": ((b, 2 * b + 7, 5), (b, 2 * b + 7, 5), 0),
         # a chunk after a context already in the cache
         "chunked-prefill": ((2 * b + 9, 4 * b), (b + 3, b), 0),
-        # a step of prefills only, each longer than a 128-row tile of 16-token GQA
-        # groups (the Triton backend's Gluon prefill kernel takes such steps on sm_90)
-        "long-prefill": ((8 * b + 3, 5 * b + 9), (8 * b + 3, 5 * b), 0),
+        # prefills only, each filling a 128-row tile of GQA-4 rows (32 tokens): the
+        # Triton backend's Gluon prefill kernel takes such steps on sm_90
+        "long-prefill": ((2 * b + 3, 3 * b + 9), (2 * b + 3, 2 * b), 0),
         # decodes first, then prefill and a chunk, then -1 padding rows
         "mixed-decodes-first": (
             (b + 5, 2 * b, 3 * b + 1, 9, 2 * b + 2),
