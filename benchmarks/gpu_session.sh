@@ -15,6 +15,8 @@ SUMMARY=$OUT/summary.txt
 PY=python3
 # each section stops after this many seconds (the device tool allows 10 minutes a call)
 LIMIT=${LIMIT:-500}
+# where FlashInfer keeps the kernels it compiles on first use
+FLASHINFER_CACHE=${FLASHINFER_CACHE:-$HOME/.cache/flashinfer}
 # the vendor libraries unpacked by earlier calls (shared/gpu/install.sh)
 if [[ -d /tmp/gpu-site ]]; then
   export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
@@ -73,6 +75,12 @@ for section in "$@"; do
         [[ -f $bundle/install.sh ]] && bash "$bundle/install.sh" "$bundle" 2>/dev/null
       done
       export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+      # FlashInfer's compiled kernels from an earlier call (section jit-save): a fresh
+      # machine otherwise spends minutes in nvcc before its first FlashInfer test
+      if [[ -f .gpu-bundles/flashinfer-jit/flashinfer-jit.tgz ]]; then
+        mkdir -p "$FLASHINFER_CACHE" && tar -xzf .gpu-bundles/flashinfer-jit/flashinfer-jit.tgz -C "$FLASHINFER_CACHE"
+        log "restored FlashInfer's JIT cache ($(du -sh "$FLASHINFER_CACHE" | cut -f1))"
+      fi
       $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$SUMMARY"
@@ -180,6 +188,10 @@ for section in "$@"; do
       LIMIT=45 run bench-prefill $PY -m pagedkv.cli bench --backends triton --baseline none \
         --workloads prefill-8x2048,prefill-2x8192,chunked-prefill-4x2048+8k \
         --json "$OUT/bench-prefill.json" --markdown "$OUT/bench-prefill.md"
+      ;;
+    jit-save)  # FlashInfer's JIT cache to $OUT, to carry as .gpu-bundles/flashinfer-jit/
+      tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_CACHE" . &&
+        log "saved FlashInfer's JIT cache: $(du -h "$OUT/flashinfer-jit.tgz" | cut -f1)"
       ;;
     *) log "unknown section $section" ;;
   esac
