@@ -360,7 +360,7 @@ def _standard_scenarios(
     out.append(_mixed(base, "custom-scale", {"scale"}, scale=round(1.7 * base.head_size**-0.5, 6)))
     # k_scale / v_scale on a cache that is not fp8: only fp8 caches store x / scale
     # (docs/contract.md), so the scales must change nothing here
-    out.append(_mixed(base, "kv-scales-unquantized", {"scale"}, k_scale=0.5, v_scale=2.0))
+    out.append(_mixed(base, "kv-scales-unquantized", {"kv_scales"}, k_scale=0.5, v_scale=2.0))
     out += [_mixed(base, name, {"gqa"}, num_heads=hq, num_kv_heads=hkv) for name, hq, hkv in lv.gqa]
     out += _axis_scenarios(base, backend, level)
     sizes = _alternatives(
