@@ -505,9 +505,10 @@ def plan_tiles(
         tile = choose_tile(layer, block_m, memory_bound)
     block_q = _block_q(layer, tile)
     if forced_splits:
-        choice = SPLIT_POLICY._choice(
-            min(forced_splits, SPLIT_POLICY.max_splits), step.max_seq_len, tile.tile_n
-        )
+        choice = SPLIT_POLICY.choose(
+            0, step.max_query_len, step.max_seq_len, num_sms, forced=forced_splits,
+            granule=tile.tile_n,
+        )  # fmt: skip
     else:
         choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded)
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
