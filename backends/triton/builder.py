@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
-from pagedkv.backends.triton import gluon_plan
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
     LayerShape,
@@ -30,6 +29,7 @@ from pagedkv.backends.triton.configs import (
 from pagedkv.backends.triton.gluon_plan import (
     GluonPrefillStep,
     gluon_prefill_problem,
+    gluon_step_problem,
     plan_gluon_prefill,
 )
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
@@ -152,7 +152,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             and tile is None
             and len(parts) == 1
             and not parts[0].plan.split
-            and step.max_query_len * layer.group >= gluon_plan.BLOCK_M
+            and gluon_step_problem(common, s, 1, max_query_len=step.max_query_len) is None
         ):
             # a prefill or chunked-prefill step (whole 128-row tiles, no split); steps
             # with decodes keep the portable kernel, whose parts fit them

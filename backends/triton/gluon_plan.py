@@ -115,16 +115,22 @@ def gluon_prefill_problem(
 
 
 def gluon_step_problem(
-    common: CommonAttentionMetadata, spec: AttentionSpec, num_splits: int
+    common: CommonAttentionMetadata,
+    spec: AttentionSpec,
+    num_splits: int,
+    *,
+    max_query_len: int | None = None,
 ) -> str | None:
     """None when this step should run the Gluon kernel (its layer allowed by
-    ``gluon_prefill_problem``), else why the portable kernel should. Host values only."""
+    ``gluon_prefill_problem``), else why the portable kernel should. Host values only.
+    ``max_query_len`` overrides the step's (a CUDA-graph plan decides from its bounds)."""
     if num_splits > 1:
         return f"split-KV step ({num_splits} splits)"
     group = spec.num_queries_per_kv
-    if common.max_query_len * group < BLOCK_M:
+    longest = common.max_query_len if max_query_len is None else max_query_len
+    if longest * group < BLOCK_M:
         return (
-            f"no request fills a {BLOCK_M}-row tile (longest query {common.max_query_len} "
+            f"no request fills a {BLOCK_M}-row tile (longest query {longest} "
             f"tokens x {group} heads)"
         )
     return None
