@@ -136,7 +136,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         splits = max(p.plan.num_splits for p in parts)
         s, layer, unused = self.spec, self.layer, self._unused
         acc = stat_max = stat_sum = unused
-        if splits > 1 or any(p.plan.split for p in parts):
+        if any(p.plan.split for p in parts):
             # one set of partials for the step's tokens, whichever part writes them
             shape = (common.num_tokens, s.num_heads, splits)
             acc = self.scratch("partial_acc", (*shape, layer.head_pad), torch.float32)

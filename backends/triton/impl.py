@@ -175,10 +175,9 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         self._cache_views(kv_cache)
         memo = self._views
         assert memo is not None
-        if memo.gluon is _UNSET:
-            k, v = self.layout().logical(kv_cache, self.spec)
-            problem = gluon_cache_problem(k, v)
-            memo.gluon = None if problem else gluon_cache_args(self.spec, k, v)
+        if memo.gluon is _UNSET:  # the memo's K/V views: the cache's bytes, its strides
+            problem = gluon_cache_problem(memo.k, memo.v)
+            memo.gluon = None if problem else gluon_cache_args(self.spec, memo.k, memo.v)
         return memo.gluon  # type: ignore[return-value]
 
     def _forget_views(self, _: object) -> None:
