@@ -147,6 +147,24 @@ for section in "$@"; do
       memcheck triton racecheck "decode or mixed or prefill" &
       wait
       ;;
+    vendor-verify)  # the FlashInfer and FA4 runs, concurrently: FlashInfer's JIT compiles
+      # overlap across the processes (run it twice on one warm machine: the second finds
+      # every kernel compiled)
+      run vendor-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py \
+        tests/test_serving_graphs.py tests/test_triton_gluon_prefill_gpu.py &
+      conform_parallel flashinfer full 6 &
+      conform triton quick &
+      for backend in flashinfer flash_attn; do
+        run "models-$backend" $PY -m pytest -q -p no:cacheprovider conformance/test_models.py \
+          --backend "$backend" --device cuda --conformance-models &
+      done
+      backends=(--backend torch --backend triton --backend pallas --backend mla
+        --backend flashinfer --backend "flashinfer(kv_layout=HND)" --backend flash_attn)
+      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
+        --device cuda "${backends[@]}" &
+      memcheck flashinfer memcheck &
+      wait
+      ;;
     convert)
       run convert $PY benchmarks/convert_throughput.py --json "$OUT/convert.json"
       tail -n 20 "$OUT/convert.log"
@@ -166,6 +184,15 @@ for section in "$@"; do
         run "serving-$backend" $PY benchmarks/serving_throughput.py --backend "$backend" \
           --requests ${SERVING_REQUESTS:-64} ${SERVING_ARGS:-}
         tail -n 20 "$OUT/serving-$backend.log"
+      done
+      ;;
+    serving-async)  # the serving loop's correctness on the GPU, then the triton table with
+      # synchronous and async scheduling (docs/benchmarks.md)
+      LIMIT=100 run serving-tests $PY -m pytest -q -p no:cacheprovider tests/test_serving_graphs.py \
+        tests/test_serving_async.py tests/test_serving_engine.py
+      for n in 64 256; do
+        LIMIT=${SERVING_LIMIT:-200} run "serving-triton-$n" $PY benchmarks/serving_throughput.py \
+          --backend triton --requests $n --scheduling sync async --no-compare
       done
       ;;
     serving-matrix)  # the serving table (docs/benchmarks.md), one run at a time;
@@ -192,6 +219,11 @@ for section in "$@"; do
     jit-save)  # FlashInfer's JIT cache to $OUT, to carry as .gpu-bundles/flashinfer-jit/
       tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_CACHE" . &&
         log "saved FlashInfer's JIT cache: $(du -h "$OUT/flashinfer-jit.tgz" | cut -f1)"
+      ;;
+    pack)  # at most 8 files come back from a call: every log and report in one archive
+      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude flashinfer-jit.tgz --exclude summary.txt . &&
+        find . -mindepth 1 -not -name flashinfer-jit.tgz -not -name summary.txt -delete &&
+        mv /tmp/results.tgz results.tgz)
       ;;
     *) log "unknown section $section" ;;
   esac

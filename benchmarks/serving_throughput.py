@@ -90,6 +90,25 @@ class StepRecord:
     pure_decode: bool
     num_seqs: int
     context_tokens: int  # tokens whose K/V the step reads
+    replay: Any = None  # (start, end) CUDA events around the step's graph replay
+
+
+class TimedGraph:
+    """A captured CUDA graph whose replays record CUDA events: the GPU time of a
+    decode step, apart from the host work around it (schedule, metadata, sampling)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, events: list[Any]) -> None:
+        self.graph, self.events = graph, events
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+    def pool(self) -> Any:
+        return self.graph.pool()
 
 
 @dataclass
@@ -106,7 +125,11 @@ class EngineRun:
 
 
 def engine_config(
-    args: argparse.Namespace, device: str, work: Workload, cuda_graph: bool
+    args: argparse.Namespace,
+    device: str,
+    work: Workload,
+    cuda_graph: bool,
+    async_scheduling: bool = False,
 ) -> EngineConfig:
     max_len = max(len(p) + o for p, o in zip(work.prompts, work.output_lens, strict=True))
     block = args.block_size
@@ -123,6 +146,7 @@ def engine_config(
         max_num_seqs=len(work.prompts),
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph=cuda_graph,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -133,17 +157,25 @@ def run_engine(engine: Engine, work: Workload, sync: Callable[[], None]) -> Engi
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n))
     records: list[StepRecord] = []
     execute = engine.runner.execute
+    replays: list[Any] = []
+    graphs = engine.runner.graphs
+    for captured in graphs.graphs.values() if graphs is not None else ():
+        if captured.graph is not None and not isinstance(captured.graph, TimedGraph):
+            captured.graph = TimedGraph(captured.graph, replays)  # type: ignore[assignment]
 
-    def recorded(plan: Any) -> torch.Tensor:
-        records.append(
-            StepRecord(
-                0.0,
-                plan.is_pure_decode,
-                len(plan.seqs),
-                sum(s.num_computed_tokens + s.num_new_tokens for s in plan.seqs),
-            )
+    def recorded(plan: Any, feed: Any = None) -> torch.Tensor:
+        record = StepRecord(
+            0.0,
+            plan.is_pure_decode,
+            len(plan.seqs),
+            sum(s.num_computed_tokens + s.num_new_tokens for s in plan.seqs),
         )
-        return execute(plan)
+        records.append(record)
+        before = len(replays)
+        logits = execute(plan, feed)
+        if len(replays) > before:
+            record.replay = replays[-1]
+        return logits
 
     engine.runner.execute = recorded  # type: ignore[method-assign]
     sync()
@@ -152,9 +184,11 @@ def run_engine(engine: Engine, work: Workload, sync: Callable[[], None]) -> Engi
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
+            before = len(records)
             for out in engine.step():
                 produced += sum(len(s.token_ids) for s in out.samples)
-            records[-1].seconds = time.perf_counter() - t0
+            if len(records) > before:  # not the drain of an async engine's last step
+                records[-1].seconds = time.perf_counter() - t0
     finally:
         engine.runner.execute = execute  # type: ignore[method-assign]
     seconds = time.perf_counter() - start
@@ -327,6 +361,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-compare", action="store_true", help="Skip the transformers baselines.")
     p.add_argument("--no-cuda-graph", action="store_true", help="Eager decode steps.")
+    p.add_argument(
+        "--scheduling",
+        nargs="+",
+        choices=("sync", "async"),
+        default=["sync"],
+        help="Engine scheduling, each timed in turn (async: EngineConfig.async_scheduling).",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tiny", action="store_true", help="A tiny model and workload (CPU smoke test)."
@@ -347,6 +388,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tiny:
         args.profile_steps = min(args.profile_steps, 3)
     return args
+
+
+def decode_figures(
+    run: EngineRun, read_per_step: int, kv_per_token: int, bandwidth: float
+) -> list[str | int]:
+    """Throughput, then the decode steps against their floor: the step on the host
+    (median), the floor, the GPU time of the graph replay (median)."""
+    decode = run.decode_steps
+    step = statistics.median(s.seconds for s in decode) if decode else float("nan")
+    floors = [(read_per_step + s.context_tokens * kv_per_token) / bandwidth for s in decode]
+    floor = statistics.median(floors) if floors else float("nan")
+    # GPU time of the decode graphs' replays: what the step costs on the device; the
+    # rest of a synchronous step is host work that the device waits for
+    replay_ms = [s.replay[0].elapsed_time(s.replay[1]) for s in decode if s.replay]
+    replay = statistics.median(replay_ms) / 1e3 if replay_ms else float("nan")
+    known = bool(floors) and bandwidth == bandwidth
+    return [
+        f"{run.output_tokens / run.seconds:,.0f}",
+        f"{run.seconds:.1f}",
+        len(run.steps),
+        f"{step * 1e3:.2f}",
+        f"{floor * 1e3:.2f}" if known else "-",
+        f"{step / floor:.2f}x" if known else "-",
+        f"{replay * 1e3:.2f}" if replay_ms else "-",
+        f"{replay / floor:.2f}x" if replay_ms and known else "-",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,40 +451,32 @@ def main(argv: list[str] | None = None) -> int:
             config.vocab_size, args.seed + n,
         )  # fmt: skip
         cuda_graph = device == "cuda" and not args.no_cuda_graph
-        engine = Engine(model, engine_config(args, device, work, cuda_graph))
-        print(f"\n{n} requests: " + "; ".join(engine.runner.kv.describe()), flush=True)
-        warm = make_workload(
-            2, tuple(args.prompt_len), (2, 2), 1, args.prefix_len, config.vocab_size, 99
-        )
-        run_engine(engine, warm, sync)  # compile kernels, fill allocator pools
-        run = run_engine(engine, work, sync)
-        del engine
-        _free(device)
-        decode = run.decode_steps
-        step = statistics.median(s.seconds for s in decode) if decode else float("nan")
-        floors = [(read_per_step + s.context_tokens * kv_per_token) / bandwidth for s in decode]
-        floor = statistics.median(floors) if floors else float("nan")
-        share, eager_step = attention_share(model, args, device, work, sync)
-        rows.append(
-            [
-                n,
-                f"{run.output_tokens / run.seconds:,.0f}",
-                f"{run.seconds:.1f}",
-                len(run.steps),
-                f"{step * 1e3:.2f}",
-                f"{floor * 1e3:.2f}" if floors and bandwidth == bandwidth else "-",
-                f"{step / floor:.2f}x" if floors and bandwidth == bandwidth else "-",
-                f"{share:.0%}",
-                f"{eager_step * 1e3:.2f}",
-                f"{run.prefix_hit_rate:.0%}",
-                run.graph_replays,
-            ]
-        )
-        print(format_table(HEADERS, rows[-1:]), flush=True)
+        for mode in args.scheduling:
+            engine = Engine(model, engine_config(args, device, work, cuda_graph, mode == "async"))
+            print(f"\n{n} requests, {mode}: " + "; ".join(engine.runner.kv.describe()), flush=True)
+            warm = make_workload(
+                2, tuple(args.prompt_len), (2, 2), 1, args.prefix_len, config.vocab_size, 99
+            )
+            run_engine(engine, warm, sync)  # compile kernels, fill allocator pools
+            run = run_engine(engine, work, sync)
+            del engine
+            _free(device)
+            rows.append([n, mode, *decode_figures(run, read_per_step, kv_per_token, bandwidth)])
+            if mode == args.scheduling[0]:
+                share, eager_step = attention_share(model, args, device, work, sync)
+                rows[-1] += [f"{share:.0%}", f"{eager_step * 1e3:.2f}"]
+            else:
+                rows[-1] += ["", ""]
+            rows[-1] += [f"{run.prefix_hit_rate:.0%}", run.graph_replays]
+            print(format_table(HEADERS, rows[-1:]), flush=True)
         if args.no_compare:
             continue
         fixed = Workload(work.prompts, [args.compare_output_len] * n)
-        engine = Engine(model, engine_config(args, device, fixed, cuda_graph))
+        async_scheduling = args.scheduling[-1] == "async"
+        engine = Engine(model, engine_config(args, device, fixed, cuda_graph, async_scheduling))
+        warm = make_workload(
+            2, tuple(args.prompt_len), (2, 2), 1, args.prefix_len, config.vocab_size, 99
+        )
         run_engine(engine, warm, sync)
         ours = run_engine(engine, fixed, sync)
         del engine
@@ -454,12 +513,15 @@ def main(argv: list[str] | None = None) -> int:
 
 HEADERS = [
     "requests",
+    "scheduling",
     "output tok/s",
     "wall s",
     "steps",
     "decode step ms (median)",
     "floor ms",
     "step/floor",
+    "graph replay ms (GPU)",
+    "replay/floor",
     "attention share (eager)",
     "eager decode step ms",
     "prefix hits",

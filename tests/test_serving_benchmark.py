@@ -17,12 +17,13 @@ def test_tiny_run_prints_both_tables(capsys):
     main = runpy.run_path(str(SCRIPT), run_name="serving_throughput")["main"]
     threads = torch.get_num_threads()
     try:
-        assert main(["--tiny", "--requests", "3"]) == 0
+        assert main(["--tiny", "--requests", "3", "--scheduling", "sync", "async"]) == 0
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     summary = out.split("\n\n")[-2:]
-    assert summary[0].splitlines()[0].startswith("requests  output tok/s")
-    assert summary[0].splitlines()[2].startswith("3 ")
+    lines = summary[0].splitlines()
+    assert lines[0].startswith("requests  scheduling  output tok/s")
+    assert lines[2].split()[:2] == ["3", "sync"] and lines[3].split()[:2] == ["3", "async"]
     assert "static generate tok/s" in summary[1]
     assert "failed" not in out

@@ -3,6 +3,8 @@ replays equal to eager steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pagedkv
 import pytest
 import torch
@@ -78,8 +80,9 @@ def test_replays_read_only_tensors_the_graph_holds():
         assert all(a is b for a, b in zip(call, held, strict=True))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("backend", ["triton"])
-def test_decode_buckets_replay_what_was_reserved(backend):
+def test_decode_buckets_replay_what_was_reserved(backend, async_scheduling):
     """The graph path without the CUDA graph (capture=False), on a CPU: decode steps
     run in padded buckets over the builders' reserved buffers and the metadata fixed
     at capture, and give the eager steps' tokens and logits."""
@@ -90,7 +93,7 @@ def test_decode_buckets_replay_what_was_reserved(backend):
         backend=backend, device=DEVICE, cuda_graph=False, max_model_len=64, max_num_seqs=4
     )
     eager = Engine(model, config).generate(prompts, params)
-    engine = Engine(model, config)
+    engine = Engine(model, dataclasses.replace(config, async_scheduling=async_scheduling))
     runner = engine.runner
     runner.graphs = DecodeGraphs(model, runner.kv, (1, 4), config.max_blocks_per_seq, capture=False)
     replayed = engine.generate(prompts, params)
@@ -104,8 +107,9 @@ def test_decode_buckets_replay_what_was_reserved(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
-def test_graph_replays_equal_eager_steps(backend):
+def test_graph_replays_equal_eager_steps(backend, async_scheduling):
     available, why = pagedkv.get_backend(backend).is_available()
     if not available:
         pytest.skip(f"{backend}: {why}")
@@ -119,8 +123,9 @@ def test_graph_replays_equal_eager_steps(backend):
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 17, 30, 9, 40)]
     params = SamplingParams(max_tokens=12, return_logits=True)
 
-    def run(cuda_graph: bool) -> tuple[Engine, list]:
+    def run(cuda_graph: bool, async_scheduling: bool = False) -> tuple[Engine, list]:
         config = EngineConfig(
+            async_scheduling=async_scheduling,
             backend=backend,
             device="cuda",
             max_model_len=128,
@@ -132,7 +137,7 @@ def test_graph_replays_equal_eager_steps(backend):
         return engine, engine.generate(prompts, params)
 
     _, eager = run(False)
-    engine, graphed = run(True)
+    engine, graphed = run(True, async_scheduling)
     assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
     for a, b in zip(eager, graphed, strict=True):
         assert a.samples[0].token_ids == b.samples[0].token_ids

@@ -20,10 +20,11 @@ from pagedkv.kv.free_queue import FreeKVCacheBlockQueue
 from pagedkv.kv.hashing import BlockHasher, get_hash_fn
 from pagedkv.kv.manager import BlockCopy, ForkResult, KVCacheManager, PrefixCacheStats
 from pagedkv.kv.presets import PRESETS, ModelPreset
-from pagedkv.kv.request import MultiModalSpan, Request
+from pagedkv.kv.request import PLACEHOLDER_TOKEN_ID, MultiModalSpan, Request
 from pagedkv.kv.step import ScheduledRequest, StepAssembler, copies_to_tensors
 
 __all__ = [
+    "PLACEHOLDER_TOKEN_ID",
     "PRESETS",
     "BlockCopy",
     "BlockHash",

@@ -109,7 +109,7 @@ class BlockTable:
     # -- device --------------------------------------------------------------------------------
 
     def commit(self, num_reqs: int) -> torch.Tensor:
-        """Copy rows [0, num_reqs) to the device (non-blocking from pinned memory).
+        """Copy rows [0, num_reqs) to the device without waiting for its queue.
 
         Returns the device view [num_reqs, max_num_blocks_per_req].
         """
@@ -118,7 +118,13 @@ class BlockTable:
                 f"commit: num_reqs must be in [0, {self.max_num_reqs}], got {num_reqs}"
             )
         dst = self.block_table[:num_reqs]
-        dst.copy_(self.block_table_cpu[:num_reqs], non_blocking=self.block_table_cpu.is_pinned())
+        src = self.block_table_cpu[:num_reqs]
+        if dst.is_cuda:
+            # the host may change these rows for the next step before this copy has
+            # run (a scheduler working ahead of the device): copy a snapshot, which
+            # the copy stages before it returns, never the live pinned rows
+            src = src.clone(memory_format=torch.contiguous_format)
+        dst.copy_(src, non_blocking=True)
         return dst
 
     def compute_slot_mapping(

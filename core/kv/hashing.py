@@ -141,10 +141,11 @@ class BlockHasher:
         self._num_tokens_prefix = struct.pack("<I", block_size)
 
     def update(self, request: Request) -> list[BlockHash]:
-        """Extend ``request.block_hashes`` to cover all its full blocks; return it."""
+        """Extend ``request.block_hashes`` to cover all its full blocks of known tokens
+        (none that holds a placeholder); return it."""
         hashes = request.block_hashes
         first = len(hashes)
-        num_full = request.num_tokens // self.block_size
+        num_full = request.num_known_tokens // self.block_size
         if first >= num_full:
             return hashes
         size = self.block_size

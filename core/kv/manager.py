@@ -242,7 +242,7 @@ class KVCacheManager:
         Call it after the forward that wrote them (for speculative decoding: the
         scheduled tokens that were accepted). Advances ``request.num_computed_tokens``
         and registers the blocks now full of computed tokens in the prefix cache,
-        as far as the request's token ids are known.
+        as far as the request's token ids are known (placeholders are not).
         """
         rid = request.request_id
         blocks = self._blocks_of(rid, "mark_computed")
@@ -261,7 +261,7 @@ class KVCacheManager:
         request.num_computed_tokens = self.num_computed_tokens[rid] = num_computed
         if not self.enable_caching:
             return
-        num_full = min(num_computed, request.num_tokens) // self.block_size
+        num_full = min(num_computed, request.num_known_tokens) // self.block_size
         num_cached = self.num_cached_block[rid]
         if num_full > num_cached:
             hashes = self.hasher.update(request)

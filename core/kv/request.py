@@ -29,6 +29,10 @@ class MultiModalSpan:
             )
 
 
+# the id a placeholder holds until it is resolved; never a vocabulary id
+PLACEHOLDER_TOKEN_ID = -1
+
+
 class Request:
     """One sequence: its token ids (prompt, then generated) and prefix-cache keys.
 
@@ -36,6 +40,12 @@ class Request:
     advances it (prefix hits in ``allocate_slots``, a finished step in
     ``mark_computed``); a scheduler that preempts by recompute sets it back to 0.
     ``block_hashes`` belongs to the BlockHasher of the manager serving this request.
+
+    Placeholders (``append_placeholder``) stand for sampled tokens whose values the
+    host does not know yet (a scheduler that plans the next step while the device
+    still runs this one); they count in ``num_tokens`` (their slots are allocated and
+    computed like any token's) but no block that holds one is hashed until
+    ``resolve_placeholder`` gives its value.
     """
 
     def __init__(
@@ -60,6 +70,7 @@ class Request:
         self.num_computed_tokens = num_computed_tokens
         # hash of each full block, in order; extended lazily by BlockHasher.update
         self.block_hashes: list[BlockHash] = []
+        self.num_placeholders = 0  # the last tokens, values not known yet
 
     @property
     def all_token_ids(self) -> Sequence[int]:
@@ -69,11 +80,33 @@ class Request:
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are known: every token but the trailing placeholders."""
+        return len(self._all_token_ids) - self.num_placeholders
+
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if self.num_placeholders:
+            raise KVCacheUsageError(
+                f"request {self.request_id!r}: {self.num_placeholders} placeholder(s) to "
+                "resolve before more tokens are appended"
+            )
         if isinstance(token_ids, int):
             self._all_token_ids.append(token_ids)
         else:
             self._all_token_ids.extend(token_ids)
+
+    def append_placeholder(self) -> None:
+        """One more token whose value comes later (``resolve_placeholder``)."""
+        self._all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The value of the oldest placeholder."""
+        if not self.num_placeholders:
+            raise KVCacheUsageError(f"request {self.request_id!r} has no placeholder to resolve")
+        self._all_token_ids[len(self._all_token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
 
     def fork(self, child_id: str) -> Request:
         """A copy under ``child_id``: same tokens, keys and progress (parallel sampling).
@@ -90,6 +123,7 @@ class Request:
         )
         child._all_token_ids = list(self._all_token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.num_placeholders = self.num_placeholders
         return child
 
     def __repr__(self) -> str:

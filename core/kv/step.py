@@ -157,11 +157,13 @@ class StepAssembler:
         table = self.block_table.commit(num_reqs)
         qsl_cpu = torch.from_numpy(qsl)
         seq_cpu = torch.from_numpy(seq_np)
+        # non-blocking: the host goes on with the step while the device runs the one
+        # before (the sources are fresh arrays, staged by the copy itself)
         return CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(self.device),
-            seq_lens=seq_cpu.to(self.device),
+            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
+            seq_lens=seq_cpu.to(self.device, non_blocking=True),
             block_table=table,
-            slot_mapping=torch.from_numpy(slots).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device, non_blocking=True),
             num_actual_tokens=int(qsl[-1]),
             max_query_len=int(query_lens.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),

@@ -29,6 +29,10 @@ class EngineConfig:
         smallest one that holds it). Empty: powers of two up to ``max_num_seqs``.
     block_order_seed: shuffle the free-block order with this seed (tests: physical
         blocks far from logical order). None: the pool's own order.
+    async_scheduling: schedule and launch step N+1 before step N's sampled tokens
+        reach the host (they are fed to step N+1 on the device), so the host's work
+        of a step overlaps the device's. The same tokens as without it; a sequence
+        that samples a stop token has run one step more, whose token is dropped.
     """
 
     backend: str | AttentionBackend | None = None
@@ -44,6 +48,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=())
     block_order_seed: int | None = None
     hash_seed: str | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_graph_batch_sizes", tuple(self.cuda_graph_batch_sizes))

@@ -12,12 +12,13 @@ from pagedkv.backend import AttentionBackend
 from pagedkv.kv import KVCacheManager
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import EngineConfigError, RequestError
+from pagedkv.serving.inputs import TokenFeed
 from pagedkv.serving.model import PagedModel
 from pagedkv.serving.parallel import TensorParallel
 from pagedkv.serving.params import SamplingParams
 from pagedkv.serving.runner import ModelRunner
 from pagedkv.serving.sampler import sample
-from pagedkv.serving.scheduler import Scheduler, SchedulerStats
+from pagedkv.serving.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedkv.serving.sequence import FinishReason
 from pagedkv.serving.sequence import Sequence as Seq
 
@@ -67,6 +68,11 @@ class Engine:
         *,
         tp: TensorParallel | None = None,
     ) -> None:
+        if tp is not None and config is not None and config.async_scheduling:
+            raise EngineConfigError(
+                "async_scheduling under tensor parallelism is not supported: the other "
+                "ranks would need each step's sampled tokens on their devices"
+            )
         if tp is not None and not tp.is_driver:
             raise EngineConfigError(
                 f"rank {tp.rank}: the Engine (scheduler, sampler) runs on rank 0; the other "
@@ -86,6 +92,8 @@ class Engine:
         if config.block_order_seed is not None:
             self.manager.shuffle_free_blocks(config.block_order_seed)
         self.scheduler = Scheduler(config, self.manager, self.runner.device)
+        self._in_flight: _Launched | None = None  # async scheduling: tokens not on the host
+        self._done: list[RequestOutput] = []  # finished in a drain, returned by step()
         self._step_seconds = 0.0
         self._closed = False
 
@@ -107,11 +115,16 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop the request wherever it is (queued, prefilling, decoding, preempted)."""
+        self._drain()
+        for k, out in enumerate(self._done):
+            if out.request_id == request_id:  # it finished in the step just resolved
+                return self._done.pop(k)
         self.scheduler.abort(request_id)
         return self._output(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, a step in flight, or outputs not yet returned by step()."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._done)
 
     def switch_backend(self, backend: str | AttentionBackend | None) -> None:
         """Run the model on ``backend`` (a config string or a backend object) from the
@@ -129,46 +142,87 @@ class Engine:
                 "switch_backend under tensor parallelism is not supported: every rank's "
                 "caches would have to switch together"
             )
+        self._drain()
         self.runner.switch_backend(backend, _blocks_holding_kv(self.manager))
         self.config = dataclasses.replace(self.config, backend=backend)
 
     # -- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; returns the requests that finished in it."""
+        """Schedule, run and sample one step; returns the requests that finished in it
+        (under ``async_scheduling``: whose last tokens reached the host in it)."""
         start = time.perf_counter()
+        done, self._done = self._done, []
         output = self.scheduler.schedule()
         if not output.scheduled:
-            if self.scheduler.has_unfinished():
+            if self._in_flight is not None:
+                done += self._resolve(self._in_flight)
+                self._in_flight = None
+            elif self.scheduler.has_unfinished():
                 raise RequestError(self._stuck_reason())
-            return []
+            self._step_seconds += time.perf_counter() - start
+            return done
         plan = output.plan()
         if self.tp is not None:
             self.tp.broadcast_plan(plan)
-        logits = self.runner.execute(plan)
+        previous, self._in_flight = self._in_flight, None
+        logits = self.runner.execute(plan, None if previous is None else previous.feed())
+        launched = self._sample(output, logits)
+        if previous is not None:  # its tokens are on their way while this step runs
+            done += self._resolve(previous)
+        self.scheduler.advance(output)  # after resolve: its stop tokens drop rows here
+        if self.config.async_scheduling:
+            self._in_flight = launched
+        else:
+            done += self._resolve(launched)
+        self._step_seconds += time.perf_counter() - start
+        return done
+
+    def _sample(self, output: SchedulerOutput, logits: torch.Tensor) -> _Launched:
+        """Sample the step's rows on the device; start their copy to the host."""
         rows: list[int] = []
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
+        row_ranges: dict[str, tuple[int, int]] = {}
+        logit_rows: dict[str, int] = {}
         for k, s in enumerate(output.sampling):
             gens = self.scheduler.sample_generators(s.seq)
+            row_ranges[s.seq.seq_id] = (len(rows), len(gens))
+            if s.seq.params.return_logits:
+                logit_rows[s.seq.seq_id] = k
             rows += [k] * len(gens)
             params += [s.seq.params] * len(gens)
             generators += gens
-        tokens = sample(logits[rows], params, generators).tolist() if rows else []
-        samples: dict[str, list[int]] = {}
-        kept_logits: dict[str, torch.Tensor] = {}
-        for row, token in zip(rows, tokens, strict=True):
-            s = output.sampling[row]
-            samples.setdefault(s.seq.seq_id, []).append(token)
-            if s.seq.params.return_logits:
-                kept_logits[s.seq.seq_id] = logits[row].float().cpu()
-        finished = self.scheduler.update(output, samples, kept_logits)
+        device = logits.device
+        tokens = (
+            sample(logits[_index(rows, device)], params, generators)
+            if rows
+            else torch.empty(0, dtype=torch.int64, device=device)
+        )
+        kept = logits[_index(list(logit_rows.values()), device)].float() if logit_rows else None
+        return _Launched(output, tokens, row_ranges, list(logit_rows), kept)
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a step's tokens on the host; append them, finish what stops."""
+        tokens = launched.host_tokens()
+        samples = {
+            seq_id: tokens[first : first + count]
+            for seq_id, (first, count) in launched.row_ranges.items()
+        }
+        kept_logits = launched.host_logits()
+        finished = self.scheduler.resolve(launched.output, samples, kept_logits)
         done = []
         for group_id in dict.fromkeys(seq.group_id for seq in finished):
-            if self.scheduler.is_finished(group_id):
+            if group_id in self.scheduler.groups and self.scheduler.is_finished(group_id):
                 done.append(self._output(group_id))
-        self._step_seconds += time.perf_counter() - start
         return done
+
+    def _drain(self) -> None:
+        """Resolve the step in flight (async scheduling) before the state changes
+        under it; what finishes is returned by the next ``step``."""
+        if self._in_flight is not None:
+            self._done += self._resolve(self._in_flight)
+            self._in_flight = None
 
     def generate(
         self,
@@ -239,6 +293,63 @@ class Engine:
             f"cannot be scheduled: it needs {need} blocks and the pool has {usable}, with "
             f"max_num_seqs {self.config.max_num_seqs}; give more num_blocks"
         )
+
+
+class _Launched:
+    """A step whose tokens were sampled on the device and are being copied to the host
+    (non-blocking: a later step can be launched before the host waits for them)."""
+
+    def __init__(
+        self,
+        output: SchedulerOutput,
+        tokens: torch.Tensor,
+        row_ranges: dict[str, tuple[int, int]],
+        logit_seq_ids: list[str],
+        logits: torch.Tensor | None,
+    ) -> None:
+        self.output = output
+        self.tokens = tokens  # [R] int64 on the device, the sampler's rows
+        self.row_ranges = row_ranges  # sampled seq id -> (first row, rows: 1 or its n)
+        self.logit_seq_ids = logit_seq_ids
+        self._host_tokens = _to_host(tokens)
+        self._host_logits = None if logits is None else _to_host(logits)
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def feed(self) -> TokenFeed:
+        """Where the next step finds these tokens: the rows of the sequences that got
+        placeholders for them (Scheduler.advance), on the device."""
+        targets = self.output.targets or {}
+        rows = {}
+        for seq_id, seqs in targets.items():
+            first, _ = self.row_ranges[seq_id]
+            rows.update({seq.seq_id: first + i for i, seq in enumerate(seqs)})
+        return TokenFeed(self.tokens, rows)
+
+    def host_tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()  # this step's copies only, not the steps after it
+        return self._host_tokens.tolist()
+
+    def host_logits(self) -> dict[str, torch.Tensor] | None:
+        if self._host_logits is None:
+            return None
+        return dict(zip(self.logit_seq_ids, self._host_logits.unbind(0), strict=True))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy to pinned host memory (a CPU tensor: a copy)."""
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on the device, copied without waiting for the device's queue."""
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _blocks_holding_kv(manager: KVCacheManager) -> list[int]:

@@ -17,7 +17,7 @@ from pagedkv.kv import StepAssembler
 from pagedkv.serving.config import EngineConfig
 from pagedkv.serving.errors import EngineConfigError
 from pagedkv.serving.graphs import DecodeGraphs, supports_decode_graphs
-from pagedkv.serving.inputs import build_step_inputs
+from pagedkv.serving.inputs import TokenFeed, build_step_inputs
 from pagedkv.serving.kv_cache import ModelKVCache
 from pagedkv.serving.model import PagedModel
 from pagedkv.serving.parallel import TensorParallel
@@ -87,8 +87,9 @@ class ModelRunner:
                 self.model, self.kv, self.config.graph_batch_sizes, self.config.max_blocks_per_seq
             )
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step; returns logits [S, vocab] of the sampled sequences, batch order."""
+    def execute(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Run the step; returns logits [S, vocab] of the sampled sequences, batch order.
+        ``feed``: the step before's sampled tokens, for the plan's placeholders."""
         for seq_id in plan.removed_seq_ids:
             if seq_id in self.resident:  # a sequence may leave before its first step
                 self.resident.remove(seq_id)
@@ -109,7 +110,7 @@ class ModelRunner:
                 }
             )
         self.resident.update(s.seq_id for s in plan.seqs)
-        inputs = build_step_inputs(plan.seqs, self.device, num_tokens)
+        inputs = build_step_inputs(plan.seqs, self.device, num_tokens, feed)
         with torch.inference_mode():
             if graph is not None:
                 assert self.graphs is not None

@@ -55,6 +55,9 @@ class SchedulerOutput:
     removed_seq_ids: list[str]  # sequences that left since the last step (their rows go)
     copies: list[BlockCopy]  # forks' copy-on-write, applied to every layer before any K/V write
     preempted: list[Sequence] = field(default_factory=list)
+    # set by Scheduler.advance: each sampled sequence's id -> the sequences its row's
+    # tokens go to (itself, then the samples it forks), in the sampler's row order
+    targets: dict[str, list[Sequence]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -208,8 +211,11 @@ class Scheduler:
         if not preempted:  # memory is short when something was preempted: admit nothing
             budget = self._admit(budget, scheduled, fork_blocks)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decodes first, stable otherwise
-        removed, self._removed = self._removed, []
-        copies, self._copies = self._copies, []
+        removed: list[str] = []
+        copies: list[BlockCopy] = []
+        if scheduled:  # an empty step runs nothing: they go with the next one
+            removed, self._removed = self._removed, []
+            copies, self._copies = self._copies, []
         st = self.stats
         st.num_steps += 1
         st.num_scheduled_tokens += sum(s.num_new_tokens for s in scheduled)
@@ -317,33 +323,75 @@ class Scheduler:
         samples: Mapping[str, Seq[int]],
         logits: Mapping[str, torch.Tensor] | None = None,
     ) -> list[Sequence]:
-        """The step ran: its tokens are in the cache (``mark_computed``, which also makes
-        their full blocks prefix-cache hits). Append the sampled tokens
-        (``samples[seq_id]``: n tokens for a sequence that forks now, else one).
+        """The step ran and its tokens are known: ``advance`` then ``resolve``.
+        ``samples[seq_id]``: n tokens for a sequence that forks now, else one.
         Returns the sequences that finished."""
-        finished = []
+        self.advance(output)
+        return self.resolve(output, samples, logits)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step's K/V is in the cache, or will be before any later step reads it
+        (stream order): ``mark_computed``, which also makes its full blocks of known
+        tokens prefix-cache hits. Every sampled sequence (and the samples it forks now)
+        gets a placeholder for its token, so the next step can be scheduled before the
+        token's value is known; a sequence that reaches ``max_tokens`` or
+        ``max_model_len`` with it finishes now (reported by ``resolve``).
+
+        A sequence that finished since the step was scheduled (a stop token found by
+        ``resolve`` of the step before) is skipped: its blocks are free already and
+        this step's row of it is dropped."""
+        targets: dict[str, list[Sequence]] = {}
         for s in output.scheduled:
             seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
             self.manager.mark_computed(seq.request, s.num_new_tokens)
             if not s.samples:
                 continue
-            tokens = samples[seq.seq_id]
-            targets = [seq, *self._fork(seq)] if seq.fork_pending else [seq]
+            targets[seq.seq_id] = [seq, *self._fork(seq)] if seq.fork_pending else [seq]
+            for target in targets[seq.seq_id]:
+                target.request.append_placeholder()
+                reason = self._length_reason(target)
+                if reason is not None:
+                    self._finish(target, reason)
+        output.targets = targets
+
+    def resolve(
+        self,
+        output: SchedulerOutput,
+        samples: Mapping[str, Seq[int]],
+        logits: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[Sequence]:
+        """The values of the tokens ``advance`` gave placeholders: appended for good,
+        stop tokens finish their sequences. Returns the sequences that finished with
+        this step's tokens (those ``advance`` finished by length included)."""
+        if output.targets is None:
+            raise RequestError("resolve() before advance() of the same step")
+        finished = []
+        for seq_id, targets in output.targets.items():
+            tokens = samples[seq_id]
             if len(tokens) != len(targets):
                 raise RequestError(
-                    f"sequence {seq.seq_id!r}: {len(tokens)} sampled tokens for "
-                    f"{len(targets)} samples"
+                    f"sequence {seq_id!r}: {len(tokens)} sampled tokens for {len(targets)} samples"
                 )
-            row = None if logits is None else logits.get(seq.seq_id)
-            for target, token in zip(targets, tokens):
-                target.request.append_output_token_ids(int(token))
+            row = None if logits is None else logits.get(seq_id)
+            for target, token in zip(targets, tokens, strict=True):
+                target.request.resolve_placeholder(int(token))
+                if target.finish_reason is FinishReason.ABORTED:
+                    continue  # aborted while the step ran: reported by abort()
                 if row is not None:
                     target.logits.append(row)
                 self.stats.num_generated_tokens += 1
-                reason = self._stop_reason(target, int(token))
-                if reason is not None:
-                    self._finish(target, reason)
+                stops = int(token) in target.params.stop_token_ids
+                if target.status is SeqStatus.RUNNING:
+                    if stops:
+                        self._finish(target, FinishReason.STOP)
+                        finished.append(target)
+                else:  # finished by advance (length): a stop token is the reason first
+                    if stops:
+                        target.finish_reason = FinishReason.STOP
                     finished.append(target)
+        output.targets = {}  # resolved: a second resolve finds nothing to do
         return finished
 
     # -- transitions ------------------------------------------------------------------
@@ -374,11 +422,9 @@ class Scheduler:
         self.stats.num_forks += len(children)
         return children
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
+    def _length_reason(self, seq: Sequence) -> FinishReason | None:
+        """The reason a sequence stops after its last token, whatever that token is."""
+        if seq.num_output_tokens >= seq.params.max_tokens:
             return FinishReason.LENGTH
         if seq.request.num_tokens >= self.config.max_model_len:
             return FinishReason.MAX_MODEL_LEN

@@ -323,7 +323,7 @@ def plan_decode_slices(
             out[name].copy_(src, non_blocking=True)
 
     # the sliced table: row v holds its request's pages from its slice's first page on
-    first_page = torch.from_numpy(np.pad(first_key // bs, (0, pad_v))).to(device)
+    first_page = torch.from_numpy(np.pad(first_key // bs, (0, pad_v))).to(device, non_blocking=True)
     owner = torch.from_numpy(np.pad(req, (0, pad_v))).to(device)
     used = torch.from_numpy(np.pad(pages, (0, pad_v))).to(device)
     cols = torch.arange(width, device=device)
