@@ -160,7 +160,9 @@ def run_engine(engine: Engine, work: Workload, sync: Callable[[], None]) -> Engi
     replays: list[Any] = []
     graphs = engine.runner.graphs
     for captured in graphs.graphs.values() if graphs is not None else ():
-        if captured.graph is not None and not isinstance(captured.graph, TimedGraph):
+        if isinstance(captured.graph, TimedGraph):
+            captured.graph.events = replays  # wrapped by an earlier run: this run's list
+        elif captured.graph is not None:
             captured.graph = TimedGraph(captured.graph, replays)  # type: ignore[assignment]
 
     def recorded(plan: Any, feed: Any = None) -> torch.Tensor:
