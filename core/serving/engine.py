@@ -166,7 +166,12 @@ class Engine:
         if self.tp is not None:
             self.tp.broadcast_plan(plan)
         previous, self._in_flight = self._in_flight, None
-        logits = self.runner.execute(plan, None if previous is None else previous.feed())
+        try:
+            logits = self.runner.execute(plan, None if previous is None else previous.feed())
+        except BaseException:
+            if previous is not None:  # a failed step runs again on known tokens
+                self._done += self._resolve(previous)
+            raise
         launched = self._sample(output, logits)
         if previous is not None:  # its tokens are on their way while this step runs
             done += self._resolve(previous)
