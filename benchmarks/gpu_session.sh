@@ -51,6 +51,9 @@ conform_parallel() {  # conform_parallel BACKEND LEVEL N [pytest args]: N proces
   ids=$OUT/ids-$tag-$level.txt
   $PY -m pytest -q -p no:cacheprovider --collect-only conformance --backend "$backend" \
     --conformance-level "$level" --device cuda "$@" 2>/dev/null | grep '::' >"$ids"
+  # the processes share the cores: ninja's jobs in each are capped so that n concurrent
+  # builds do not oversubscribe them (FlashInfer's sm90 units take minutes each)
+  export MAX_JOBS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
   for ((i = 0; i < n; i++)); do
     awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
     run "conform-$tag-$level-$i" $PY -m pytest -q -p no:cacheprovider --backend "$backend" \
@@ -77,8 +80,10 @@ for section in "$@"; do
       export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
       # FlashInfer's compiled kernels from an earlier call (section jit-save): a fresh
       # machine otherwise spends minutes in nvcc before its first FlashInfer test
-      if [[ -f .gpu-bundles/flashinfer-jit/flashinfer-jit.tgz ]]; then
-        mkdir -p "$FLASHINFER_CACHE" && tar -xzf .gpu-bundles/flashinfer-jit/flashinfer-jit.tgz -C "$FLASHINFER_CACHE"
+      # (in parts: a file that comes back from a call holds at most 16 MiB)
+      parts=(.gpu-bundles/flashinfer-jit/flashinfer-jit.tgz.part-*)
+      if [[ -f ${parts[0]} ]]; then
+        mkdir -p "$FLASHINFER_CACHE" && cat "${parts[@]}" | tar -xzf - -C "$FLASHINFER_CACHE"
         log "restored FlashInfer's JIT cache ($(du -sh "$FLASHINFER_CACHE" | cut -f1))"
       fi
       $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
@@ -216,13 +221,15 @@ for section in "$@"; do
         --workloads prefill-8x2048,prefill-2x8192,chunked-prefill-4x2048+8k \
         --json "$OUT/bench-prefill.json" --markdown "$OUT/bench-prefill.md"
       ;;
-    jit-save)  # FlashInfer's JIT cache to $OUT, to carry as .gpu-bundles/flashinfer-jit/
-      tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_CACHE" . &&
-        log "saved FlashInfer's JIT cache: $(du -h "$OUT/flashinfer-jit.tgz" | cut -f1)"
+    jit-save)  # FlashInfer's JIT cache to $OUT in parts of 15 MiB (a file that comes back
+      # holds at most 16 MiB); carry them as .gpu-bundles/flashinfer-jit/ (with the
+      # flashinfer bundle they fill most of a call's 64 MiB: FA4's parts go in other calls)
+      tar -czf - -C "$FLASHINFER_CACHE" . | split -b 15m - "$OUT/flashinfer-jit.tgz.part-" &&
+        log "saved FlashInfer's JIT cache: $(cat "$OUT"/flashinfer-jit.tgz.part-* | wc -c) bytes in $(ls "$OUT"/flashinfer-jit.tgz.part-* | wc -l) parts"
       ;;
     pack)  # at most 8 files come back from a call: every log and report in one archive
-      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude flashinfer-jit.tgz --exclude summary.txt . &&
-        find . -mindepth 1 -not -name flashinfer-jit.tgz -not -name summary.txt -delete &&
+      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude 'flashinfer-jit.tgz.part-*' --exclude summary.txt . &&
+        find . -mindepth 1 -not -name 'flashinfer-jit.tgz.part-*' -not -name summary.txt -delete &&
         mv /tmp/results.tgz results.tgz)
       ;;
     *) log "unknown section $section" ;;
