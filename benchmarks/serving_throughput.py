@@ -364,6 +364,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-compare", action="store_true", help="Skip the transformers baselines.")
     p.add_argument("--no-cuda-graph", action="store_true", help="Eager decode steps.")
     p.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        default=None,
+        help="torch.compile the model's forward with this backend (HFModel(compile=...)).",
+    )
+    p.add_argument(
         "--scheduling",
         nargs="+",
         choices=("sync", "async"),
@@ -432,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
 
         config, dtype = LlamaConfig(**LLAMA_3_8B), torch.bfloat16
     t0 = time.perf_counter()
-    model = HFModel(random_model(config, dtype=dtype, device=device, seed=args.seed))
+    model = HFModel(
+        random_model(config, dtype=dtype, device=device, seed=args.seed), compile=args.compile
+    )
     weights = sum(p.numel() * p.element_size() for p in model.model.parameters())
     embedding = model.model.get_input_embeddings().weight
     read_per_step = weights - embedding.numel() * embedding.element_size()  # rows only
@@ -444,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{weights / 1e9:.2f} GB {str(dtype).removeprefix('torch.')} random weights "
         f"({time.perf_counter() - t0:.0f} s to build); KV {kv_per_token / 1024:.0f} KiB/token; "
         f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; copy "
-        f"bandwidth {bandwidth / 1e12:.2f} TB/s; backend {args.backend}"
+        f"bandwidth {bandwidth / 1e12:.2f} TB/s; backend {args.backend}; "
+        f"compile {args.compile or 'off'}"
     )
     rows, compare_rows = [], []
     for n in args.requests:

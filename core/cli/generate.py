@@ -124,6 +124,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "rank); the model's heads and MLP are sharded, rank 0 schedules and prints.",
     )
     engine.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="Schedule and launch each step before the last one's tokens reach the host "
+        "(the same tokens; the host's work overlaps the device's).",
+    )
+    engine.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        default=None,
+        help="torch.compile the model's forward with this backend (e.g. inductor): fused "
+        "norms, rotary embeddings and activations around pagedkv's attention.",
+    )
+    engine.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -212,7 +225,9 @@ def _setup(tp: TensorParallel | None, args: argparse.Namespace, prompts: list[li
         if args.dtype
         else (torch.float32 if device_type == "cpu" else torch.bfloat16)
     )
-    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed, tp=tp)
+    model = load_model(
+        args.model, dtype=dtype, device=device, seed=args.seed, tp=tp, compile=args.compile
+    )
     backend = (
         args.backend or os.environ.get(CONFIG_ENV) or ("torch" if device_type == "cpu" else "auto")
     )
@@ -225,6 +240,7 @@ def _setup(tp: TensorParallel | None, args: argparse.Namespace, prompts: list[li
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph=args.cuda_graph,
+        async_scheduling=args.async_scheduling,
     )
     if tp is not None and not tp.is_driver:
         return None, model, config

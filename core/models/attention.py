@@ -11,6 +11,8 @@ layer spec's. HF's own cache is unused (``use_cache=False``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,29 @@ class HFStep:
     mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+class _StepInContext:
+    """The ``pagedkv_step`` of a compiled model's forward: the step is read at run
+    time from ``step_context`` by the ``pagedkv::hf_attention`` op, which a compiler
+    treats as opaque (``HFModel(compile=...)``)."""
+
+    def __repr__(self) -> str:
+        return "STEP_IN_CONTEXT"
+
+
+STEP_IN_CONTEXT = _StepInContext()
+_steps: list[HFStep] = []  # the steps being run, innermost last
+
+
+@contextmanager
+def step_context(step: HFStep) -> Iterator[None]:
+    """The step that ``pagedkv::hf_attention`` calls inside the block run on."""
+    _steps.append(step)
+    try:
+        yield
+    finally:
+        _steps.pop()
+
+
 def paged_attention_forward(
     module: Any,
     query: torch.Tensor,
@@ -40,7 +65,7 @@ def paged_attention_forward(
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
-    pagedkv_step: HFStep | None = None,
+    pagedkv_step: HFStep | _StepInContext | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` (MLA: key the latent
@@ -50,12 +75,52 @@ def paged_attention_forward(
             "the pagedkv attention runs inside pagedkv's engine only (the model's forward "
             "needs pagedkv_step=...); use another attn_implementation elsewhere"
         )
-    layer = module.layer_idx
-    attention = pagedkv_step.attention
-    spec = attention.cache.layers[layer].spec
-    _check_call(layer, spec, query, scaling, kwargs)
+    checked = _CheckedArgs(
+        scaling,
+        kwargs.get("sliding_window"),
+        kwargs.get("softcap"),
+        kwargs.get("s_aux") is not None,
+    )
+    if pagedkv_step is STEP_IN_CONTEXT:
+        out_dim = module.v_head_dim if value is None else value.shape[-1]
+        out = torch.ops.pagedkv.hf_attention(
+            query,
+            key,
+            value,
+            module.layer_idx,
+            out_dim,
+            checked.scaling,
+            checked.sliding_window,
+            checked.softcap,
+            checked.has_sinks,
+        )
+        return out, None
+    assert isinstance(pagedkv_step, HFStep)
+    return _attend(pagedkv_step, module.layer_idx, query, key, value, checked), None
+
+
+@dataclass(frozen=True)
+class _CheckedArgs:
+    """What an attention module passes besides tensors, checked against its spec."""
+
+    scaling: float | None
+    sliding_window: int | None
+    softcap: float | None
+    has_sinks: bool
+
+
+def _attend(
+    step: HFStep,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    checked: _CheckedArgs,
+) -> torch.Tensor:
+    attention = step.attention
+    _check_call(layer, attention.cache.layers[layer].spec, query, checked)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    weights = pagedkv_step.mla_weights.get(layer)
+    weights = step.mla_weights.get(layer)
     if weights is not None:  # absorbed MLA through the contract: any MLA backend
         w_uk, w_uv = weights
         nope = w_uk.shape[-1]
@@ -63,27 +128,64 @@ def paged_attention_forward(
         latent = key[0].transpose(0, 1).contiguous()  # [T, 1, L + R]
         out = up_project(attention.forward(layer, absorbed, latent, None), w_uv)
     else:
+        assert value is not None
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
         out = attention.forward(layer, q.contiguous(), k, v)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
-def _check_call(layer: int, spec: Any, query: torch.Tensor, scaling: Any, kwargs: Any) -> None:
+@torch.library.custom_op("pagedkv::hf_attention", mutates_args=())
+def _hf_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    layer: int,
+    out_dim: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    has_sinks: bool,
+) -> torch.Tensor:
+    """One layer's paged attention in a compiled model: opaque to the compiler (it
+    writes the layer's cache and reads the step's metadata, neither of which the
+    compiler sees), run on the step of the innermost ``step_context``."""
+    if not _steps:
+        raise ModelSupportError("pagedkv::hf_attention ran outside step_context")
+    checked = _CheckedArgs(scaling, sliding_window, softcap, has_sinks)
+    return _attend(_steps[-1], layer, query, key, value, checked)
+
+
+@_hf_attention_op.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    layer: int,
+    out_dim: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    has_sinks: bool,
+) -> torch.Tensor:
+    return query.new_empty((1, query.shape[2], query.shape[1], out_dim))
+
+
+def _check_call(layer: int, spec: Any, query: torch.Tensor, checked: _CheckedArgs) -> None:
     """What the module passes at run time must be what its spec was built from."""
     problems = []
     if query.shape[0] != 1:
         problems.append(f"batch dimension {query.shape[0]}, expected 1 (the step is flattened)")
-    if scaling is not None and scaling != spec.scale:
-        problems.append(f"scaling {scaling} but the spec has {spec.scale}")
-    window = kwargs.get("sliding_window")
+    if checked.scaling is not None and checked.scaling != spec.scale:
+        problems.append(f"scaling {checked.scaling} but the spec has {spec.scale}")
+    window = checked.sliding_window
     if window is not None and window != spec.sliding_window:
         problems.append(f"sliding_window {window} but the spec has {spec.sliding_window}")
-    softcap = kwargs.get("softcap")
+    softcap = checked.softcap
     if softcap is not None and softcap != spec.logits_soft_cap:
         problems.append(f"softcap {softcap} but the spec has {spec.logits_soft_cap}")
-    if (kwargs.get("s_aux") is not None) != spec.use_sinks:
-        problems.append(f"sinks passed: {kwargs.get('s_aux') is not None}, spec: {spec.use_sinks}")
+    if checked.has_sinks != spec.use_sinks:
+        problems.append(f"sinks passed: {checked.has_sinks}, spec: {spec.use_sinks}")
     if problems:
         raise ModelSupportError(f"layer {layer}: " + "; ".join(problems))
 

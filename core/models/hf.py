@@ -33,9 +33,16 @@ class HFModel:
     tp: this rank's tensor-parallel group; the model (full weights on every rank) is
     sharded in place (``pagedkv.models.tensor_parallel``) and its attention layers
     are this rank's heads.
+    compile: a ``torch.compile`` backend (``"inductor"``) for the model's forward, with
+    dynamic token counts: the compiler fuses what surrounds attention (norms, rotary
+    embeddings, activations, residuals), and each layer's paged attention is one
+    opaque op (``pagedkv::hf_attention``) that runs the step's impl. A CUDA-graph
+    decode step then replays the fused kernels. None: eager.
     """
 
-    def __init__(self, model: Any, *, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, model: Any, *, tp: TensorParallel | None = None, compile: str | None = None
+    ) -> None:
         require_transformers()
         if not hasattr(model, "config") or not hasattr(model, "named_modules"):
             raise ModelSupportError(f"expected a transformers model, got {type(model).__name__}")
@@ -64,6 +71,10 @@ class HFModel:
         if tp is not None:
             shard_model(model, tp)
         model.set_attn_implementation(attn.ATTENTION_NAME)
+        self.compile = compile
+        self._compiled = (
+            None if compile is None else torch.compile(self._run, dynamic=True, backend=compile)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -95,12 +106,25 @@ class HFModel:
                 f"{self.model.config._attn_implementation!r}, not {attn.ATTENTION_NAME!r} "
                 "(restore it, e.g. leave reference_attention's block)"
             )
+        step = attn.HFStep(attention, self.mla_weights)
+        if self._compiled is None:
+            return self._run(input_ids, positions, logits_indices, step)
+        with attn.step_context(step):
+            return self._compiled(input_ids, positions, logits_indices, attn.STEP_IN_CONTEXT)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        step: attn.HFStep | Any,
+    ) -> torch.Tensor:
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
             logits_to_keep=logits_indices,
-            pagedkv_step=attn.HFStep(attention, self.mla_weights),
+            pagedkv_step=step,
         )
         return out.logits[0]
 

@@ -68,18 +68,20 @@ def load_model(
     device: str = "cpu",
     seed: int = 0,
     tp: TensorParallel | None = None,
+    compile: str | None = None,
 ) -> HFModel:
     """A built-in tiny model (random weights from ``seed``) or a local model directory
-    (its weights; nothing is downloaded). ``tp``: this rank's shard of it."""
+    (its weights; nothing is downloaded). ``tp``: this rank's shard of it;
+    ``compile``: a torch.compile backend for its forward (``HFModel``)."""
     transformers = require_transformers()
     path = model_directory(name_or_path)
     if path is None:
         model = random_model(builtin_config(name_or_path), dtype=dtype, device=device, seed=seed)
-        return HFModel(model, tp=tp)
+        return HFModel(model, tp=tp, compile=compile)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, local_files_only=True
         )
     except (OSError, ValueError) as exc:
         raise ModelSupportError(f"{path}: could not load a causal LM ({exc})") from None
-    return HFModel(model.to(device), tp=tp)
+    return HFModel(model.to(device), tp=tp, compile=compile)
