@@ -1,4 +1,6 @@
-"""Engine: requests in, tokens out; one ``step`` = schedule, run the model, sample, update."""
+"""Engine: requests in, tokens out; one ``step`` = schedule, run the model, sample, update
+(under async scheduling: schedule and launch this step, then append the tokens of the
+step before)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,10 @@ class EngineStats:
 
 class Engine:
     """A paged serving engine over one PagedModel (``pagedkv.models.HFModel`` for
-    Hugging Face models). Synchronous: call ``step()`` until ``has_unfinished()`` is
-    False, or ``generate()``; ``abort()`` between steps.
+    Hugging Face models). Call ``step()`` until ``has_unfinished()`` is False, or
+    ``generate()``; ``abort()`` between steps. With ``config.async_scheduling`` a step
+    is launched before the tokens of the one before reach the host (docs/serving.md,
+    "Async scheduling"); the outputs are the same.
 
     Under tensor parallelism (``tp``, rank 0 only) each step's plan is broadcast to
     the other ranks' ``Worker`` before it runs; ``close()`` (or leaving a ``with``

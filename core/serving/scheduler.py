@@ -11,7 +11,10 @@ partly filled last block, applied to every layer before the next step.
 
 Each step follows the KV manager's life cycle: ``allocate_slots`` and
 ``take_new_block_ids`` here, the forward in the runner, ``mark_computed`` in
-``update`` once the step's tokens are in the cache.
+``advance`` once the step is launched (its K/V lands before any later step reads
+it), where each sampled sequence also gets a placeholder token; ``resolve`` writes
+the sampled values over the placeholders, right away (``update``) or, under async
+scheduling, after the next step has been scheduled and launched.
 """
 
 from __future__ import annotations
