@@ -15,9 +15,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ATOL = 1e-4  # float32 logits, as in test_serving_engine.py
 
 
-def _config(backend: str) -> EngineConfig:
+def _config(backend: str, async_scheduling: bool = False) -> EngineConfig:
     return EngineConfig(
         backend=backend,
+        async_scheduling=async_scheduling,
         block_size=16,
         num_blocks=24,
         max_model_len=96,
@@ -46,13 +47,15 @@ def _finish(engine: Engine) -> dict:
     return outputs
 
 
-def test_switching_torch_to_pallas_mid_run_keeps_tokens_and_prefix_hits():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_switching_torch_to_pallas_mid_run_keeps_tokens_and_prefix_hits(async_scheduling):
+    """Under async scheduling the switch first resolves the step in flight."""
     model = TinyDecoder()
     prompts = _prompts()
     reference = Engine(model, _config("torch"))
     expected = reference.generate(prompts, PARAMS)
 
-    engine = Engine(model, _config("torch"))
+    engine = Engine(model, _config("torch", async_scheduling))
     for i, prompt in enumerate(prompts):
         engine.add_request(f"prompt{i}", prompt, PARAMS)
     for _ in range(3):  # prompt 0 decoding, prompt 1 past its chunked prefill
