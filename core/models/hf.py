@@ -109,6 +109,10 @@ class HFModel:
         step = attn.HFStep(attention, self.mla_weights)
         if self._compiled is None:
             return self._run(input_ids, positions, logits_indices, step)
+        # token and row counts unbacked: no specialization of the counts 0 and 1, so
+        # one compiled graph serves prefills, decode batches of any size and a lone decode
+        for t in (input_ids, positions, logits_indices):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
         with attn.step_context(step):
             return self._compiled(input_ids, positions, logits_indices, attn.STEP_IN_CONTEXT)
 
