@@ -1,6 +1,7 @@
 """HFModel(compile=...): the model's forward under torch.compile, each layer's paged
 attention one opaque op. The compiled model gives the eager model's tokens and
-logits through the engine (prefill chunks, decodes, forks), with no graph break and one compiled graph."""
+logits through the engine (prefill chunks, decodes, forks), with no graph break and
+one compiled graph."""
 
 from __future__ import annotations
 
