@@ -78,13 +78,18 @@ for section in "$@"; do
         [[ -f $bundle/install.sh ]] && bash "$bundle/install.sh" "$bundle" 2>/dev/null
       done
       export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-      # FlashInfer's compiled kernels from an earlier call (section jit-save): a fresh
-      # machine otherwise spends minutes in nvcc before its first FlashInfer test
-      # (in parts: a file that comes back from a call holds at most 16 MiB)
+      # FlashInfer's compiled kernels from an earlier call or session (section jit-save):
+      # a fresh machine otherwise spends many minutes in nvcc. They go where FlashInfer
+      # looks for ahead-of-time builds (flashinfer/data/aot/<module>/<module>.so), which
+      # it loads without a build step; the JIT cache would rebuild a .so whose object
+      # files are missing
       parts=(.gpu-bundles/flashinfer-jit/flashinfer-jit.tgz.part-*)
       if [[ -f ${parts[0]} ]]; then
-        mkdir -p "$FLASHINFER_CACHE" && cat "${parts[@]}" | tar -xzf - -C "$FLASHINFER_CACHE"
-        log "restored FlashInfer's JIT cache ($(du -sh "$FLASHINFER_CACHE" | cut -f1))"
+        aot=$($PY -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
+        if [[ -n $aot ]]; then
+          mkdir -p "$aot" && cat "${parts[@]}" | tar -xzf - -C "$aot"
+          log "restored $(ls "$aot" | wc -l) FlashInfer modules built earlier into $aot"
+        fi
       fi
       $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$SUMMARY"
@@ -221,11 +226,22 @@ for section in "$@"; do
         --workloads prefill-8x2048,prefill-2x8192,chunked-prefill-4x2048+8k \
         --json "$OUT/bench-prefill.json" --markdown "$OUT/bench-prefill.md"
       ;;
-    jit-save)  # FlashInfer's JIT cache to $OUT in parts of 15 MiB (a file that comes back
-      # holds at most 16 MiB); carry them as .gpu-bundles/flashinfer-jit/ (with the
-      # flashinfer bundle they fill most of a call's 64 MiB: FA4's parts go in other calls)
-      tar -czf - -C "$FLASHINFER_CACHE" . | split -b 15m - "$OUT/flashinfer-jit.tgz.part-" &&
-        log "saved FlashInfer's JIT cache: $(cat "$OUT"/flashinfer-jit.tgz.part-* | wc -c) bytes in $(ls "$OUT"/flashinfer-jit.tgz.part-* | wc -l) parts"
+    jit-save)  # the FlashInfer modules built on this machine (their .so files only, in
+      # parts of 15 MiB: a file that comes back holds at most 16 MiB); keep the parts in
+      # .gpu-bundles/flashinfer-jit/ and carry that folder: setup installs them
+      list=$(cd "$FLASHINFER_CACHE" 2>/dev/null &&
+        find . -path '*/cached_ops/*' -name '*.so' -printf '%P\n' 2>/dev/null)
+      if [[ -n $list ]]; then
+        staging=/tmp/flashinfer-aot && rm -rf "$staging" && mkdir -p "$staging"
+        while read -r so; do  # .../cached_ops/<module>/<module>.so -> <module>/<module>.so
+          module=$(basename "$(dirname "$so")")
+          mkdir -p "$staging/$module" && cp "$FLASHINFER_CACHE/$so" "$staging/$module/"
+        done <<<"$list"
+        tar -czf - -C "$staging" . | split -b 15m - "$OUT/flashinfer-jit.tgz.part-" &&
+          log "saved $(ls "$staging" | wc -l) FlashInfer modules: $(cat "$OUT"/flashinfer-jit.tgz.part-* | wc -c) bytes in $(ls "$OUT"/flashinfer-jit.tgz.part-* | wc -l) parts"
+      else
+        log "jit-save: no FlashInfer module built under $FLASHINFER_CACHE"
+      fi
       ;;
     pack)  # at most 8 files come back from a call: every log and report in one archive
       (cd "$OUT" && tar -czf /tmp/results.tgz --exclude 'flashinfer-jit.tgz.part-*' --exclude summary.txt . &&
