@@ -153,7 +153,9 @@ def _hf_attention_op(
     if not _steps:
         raise ModelSupportError("pagedkv::hf_attention ran outside step_context")
     checked = _CheckedArgs(scaling, sliding_window, softcap, has_sinks)
-    return _attend(_steps[-1], layer, query, key, value, checked)
+    # contiguous, as the fake below: the compiled graph views the output by its strides
+    # (MLA's up-projection returns another layout)
+    return _attend(_steps[-1], layer, query, key, value, checked).contiguous()
 
 
 @_hf_attention_op.register_fake
