@@ -132,9 +132,19 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """common and inputs padded to graph.batch_size rows. Returns the sampled rows'
         logits [S, vocab] (a view of the graph's output: use before the next replay)."""
-        self.kv.build(common, graph.builders)  # new metadata into the reserved buffers
+        self.stage(graph, common, inputs)
+        return self.launch(graph, inputs)
+
+    def stage(
+        self, graph: DecodeGraph, common: CommonAttentionMetadata, inputs: StepInputs
+    ) -> None:
+        """The step's metadata into the reserved buffers, its inputs into the static ones."""
+        self.kv.build(common, graph.builders)
         graph.input_ids.copy_(inputs.input_ids, non_blocking=True)
         graph.positions.copy_(inputs.positions, non_blocking=True)
+
+    def launch(self, graph: DecodeGraph, inputs: StepInputs) -> torch.Tensor:
+        """Replay the staged step; the sampled rows' logits (a view, as ``replay``'s)."""
         self.num_replays += 1
         if graph.graph is None:
             logits = self.model.forward(

@@ -47,6 +47,7 @@ class ModelRunner:
             config.block_size, config.max_num_seqs, config.max_model_len, self.device
         )
         self.resident: set[str] = set()  # sequences holding a block-table row
+        self._staged: torch.cuda.Event | None = None  # after the last step's copies
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             self.graphs = DecodeGraphs(
@@ -94,6 +95,11 @@ class ModelRunner:
             if seq_id in self.resident:  # a sequence may leave before its first step
                 self.resident.remove(seq_id)
                 self.assembler.remove_request(seq_id)
+        if self._staged is not None:
+            # the step before's metadata copies have run: a builder may stage metadata
+            # in host buffers it reuses every step (FlashInfer's plan does), and under
+            # async scheduling this step is built while the step before waits to run
+            self._staged.synchronize()
         self.kv.copy_blocks(plan.copies)
         graph = None
         if self.graphs is not None and plan.is_pure_decode:
@@ -114,8 +120,17 @@ class ModelRunner:
         with torch.inference_mode():
             if graph is not None:
                 assert self.graphs is not None
-                return self.graphs.replay(graph, common, inputs)
+                self.graphs.stage(graph, common, inputs)
+                self._mark_staged()
+                return self.graphs.launch(graph, inputs)
             attention = self.kv.build(common)
+            self._mark_staged()
             return self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.logits_indices, attention
             )
+
+    def _mark_staged(self) -> None:
+        """An event after the step's metadata and input copies (CUDA only)."""
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
