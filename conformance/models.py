@@ -118,8 +118,10 @@ def run_model_check(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    async_scheduling: bool = False,
 ) -> ModelResult:
-    """Serve ``model_name`` (a built-in tiny config) through ``backend`` and judge it."""
+    """Serve ``model_name`` (a built-in tiny config) through ``backend`` and judge it
+    (``async_scheduling``: the engine's, docs/serving.md)."""
     from pagedkv.errors import NoUsableBackendError, UnsupportedError
     from pagedkv.models import HFModel, builtin_config, random_model
     from pagedkv.serving import Engine, EngineConfig, SamplingParams
@@ -140,6 +142,7 @@ def run_model_check(
         max_num_batched_tokens=work.max_num_batched_tokens,
         cuda_graph=False,
         block_order_seed=work.block_order_seed,
+        async_scheduling=async_scheduling,
     )
     try:
         engine = Engine(model, config)

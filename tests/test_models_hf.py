@@ -18,8 +18,9 @@ from serving_model import one_thread  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_tiny_llama_matches_transformers_through_the_scheduler():
-    result = run_model_check("tiny-llama", "torch")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tiny_llama_matches_transformers_through_the_scheduler(async_scheduling):
+    result = run_model_check("tiny-llama", "torch", async_scheduling=async_scheduling)
     assert result.passed, result.report()
     assert result.max_abs_error < 1e-4
 
