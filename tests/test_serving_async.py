@@ -167,3 +167,27 @@ def test_a_failed_step_runs_again_on_the_tokens_of_the_step_before():
         for a, b in zip(got.samples, want.samples, strict=True):
             for x, y in zip(a.logits, b.logits, strict=True):
                 torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+def test_outputs_waiting_to_be_returned_survive_a_failed_step():
+    model = TinyDecoder()
+    forward = model.forward
+    engine = Engine(model, _tight_config(async_scheduling=True, num_blocks=64))
+    prompts = _prompts()
+    engine.add_request("a", prompts[2], SamplingParams(max_tokens=1))
+    engine.add_request("b", prompts[0][:8], SamplingParams(max_tokens=4))
+    engine.add_request("c", prompts[1][:8], SamplingParams(max_tokens=4))
+    assert engine.step() == []  # a's only token is in flight
+    engine.abort("b")  # resolves it: a has finished, to be returned by the next step
+
+    def dies(*args):
+        raise RuntimeError("the device went away")
+
+    model.forward = dies
+    with pytest.raises(RuntimeError):
+        engine.step()
+    model.forward = forward
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert sorted(o.request_id for o in outputs) == ["a", "c"]

@@ -163,6 +163,7 @@ class Engine:
                 done += self._resolve(self._in_flight)
                 self._in_flight = None
             elif self.scheduler.has_unfinished():
+                self._done = done  # for the step after
                 raise RequestError(self._stuck_reason())
             self._step_seconds += time.perf_counter() - start
             return done
@@ -174,7 +175,8 @@ class Engine:
             logits = self.runner.execute(plan, None if previous is None else previous.feed())
         except BaseException:
             if previous is not None:  # a failed step runs again on known tokens
-                self._done += self._resolve(previous)
+                done += self._resolve(previous)
+            self._done = done  # returned by the step after
             raise
         launched = self._sample(output, logits)
         if previous is not None:  # its tokens are on their way while this step runs
