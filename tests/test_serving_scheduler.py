@@ -221,3 +221,22 @@ def test_add_request_checks():
         s.add_request("x", [], SamplingParams())
     with pytest.raises(RequestError, match="needs 4 blocks but the pool has 3"):
         s.add_request("x", list(range(12)), SamplingParams())
+
+
+def test_a_sequence_preempted_while_its_token_is_in_flight_stops_on_it():
+    """Async scheduling: step 2 is scheduled (preempting B) before step 1's tokens are
+    resolved; B's token from step 1 is a stop token, so B finishes from the queue."""
+    s = _scheduler(num_blocks=4)  # 3 usable blocks of 4 tokens
+    s.add_request("a", [0, 1, 2, 3], SamplingParams(max_tokens=4))
+    s.add_request("b", [10, 11, 12, 13], SamplingParams(max_tokens=4, stop_token_ids=(99,)))
+    first = s.schedule()
+    s.advance(first)  # each now holds a placeholder as its 5th token
+    second = s.schedule()  # a's 5th token takes the last block: b is preempted
+    (b,) = s.groups["b"]
+    assert b.status is SeqStatus.WAITING and [x.seq.group_id for x in second.scheduled] == ["a"]
+    finished = s.resolve(first, {s.groups["a"][0].seq_id: [7], b.seq_id: [99]})
+    assert finished == [b] and b.finish_reason is FinishReason.STOP
+    assert b.status is SeqStatus.FINISHED and b not in s.waiting
+    assert b.output_token_ids == [99]
+    s.advance(second)
+    check_manager(s.manager)

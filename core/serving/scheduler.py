@@ -156,12 +156,8 @@ class Scheduler:
             raise RequestError(f"abort: unknown request {request_id!r}")
         stopped = []
         for seq in seqs:
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORTED
-                stopped.append(seq)
-            elif seq.status is SeqStatus.RUNNING:
-                self._finish(seq, FinishReason.ABORTED)
+            if seq.status is not SeqStatus.FINISHED:
+                self._stop(seq, FinishReason.ABORTED)
                 stopped.append(seq)
         return stopped
 
@@ -386,13 +382,12 @@ class Scheduler:
                     target.logits.append(row)
                 self.stats.num_generated_tokens += 1
                 stops = int(token) in target.params.stop_token_ids
-                if target.status is SeqStatus.RUNNING:
-                    if stops:
-                        self._finish(target, FinishReason.STOP)
-                        finished.append(target)
-                else:  # finished by advance (length): a stop token is the reason first
-                    if stops:
+                if target.status is SeqStatus.FINISHED:  # by advance (length)
+                    if stops:  # a stop token is the reason first
                         target.finish_reason = FinishReason.STOP
+                    finished.append(target)
+                elif stops:  # running, or preempted while this token was in flight
+                    self._stop(target, FinishReason.STOP)
                     finished.append(target)
         output.targets = {}  # resolved: a second resolve finds nothing to do
         return finished
@@ -443,6 +438,14 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def _stop(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a running or waiting (queued, preempted) sequence."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)  # it holds no blocks
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        else:
+            self._finish(seq, reason)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV; it will be recomputed from its tokens."""
