@@ -205,6 +205,14 @@ for section in "$@"; do
           --backend triton --requests $n --scheduling sync async --no-compare
       done
       ;;
+    serving-compile)  # the compiled model (HFModel(compile="inductor")) under async scheduling:
+      # the first compile of the 8B graph and the seven decode-graph captures take minutes
+      LIMIT=120 run compile-tests $PY -m pytest -q -p no:cacheprovider tests/test_models_compile.py
+      for n in 64 256; do
+        LIMIT=${SERVING_LIMIT:-360} run "serving-compiled-triton-$n" $PY benchmarks/serving_throughput.py \
+          --backend triton --requests $n --scheduling async --compile inductor --no-compare
+      done
+      ;;
     serving-matrix)  # the serving table (docs/benchmarks.md), one run at a time;
       # TRITON_CONFIG: the triton backend's config string
       triton_config=${TRITON_CONFIG:-triton}
