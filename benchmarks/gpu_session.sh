@@ -71,6 +71,19 @@ memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]
     --backend "$backend" --conformance-level quick --device cuda ${select:+-k "$select"}
 }
 
+models() {  # models BACKEND: model-level conformance (tiny HF models) through BACKEND
+  run "models-$1" $PY -m pytest -q -p no:cacheprovider conformance/test_models.py \
+    --backend "$1" --device cuda --conformance-models
+}
+
+convert_all() {  # conversion between every ordered pair of the installed backends
+  local backends=(--backend torch --backend triton --backend pallas --backend mla)
+  $PY -c "import flashinfer" 2>/dev/null && backends+=(--backend flashinfer --backend "flashinfer(kv_layout=HND)")
+  $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(--backend flash_attn)
+  run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
+    --device cuda "${backends[@]}"
+}
+
 for section in "$@"; do
   case $section in
     setup)  # unpack the carried bundles (they accumulate in /tmp/gpu-site), install pagedkv
@@ -112,12 +125,8 @@ for section in "$@"; do
       fi
       wait
       ;;
-    convert-all)  # conversion between every ordered pair of the installed backends
-      backends=(--backend torch --backend triton --backend pallas --backend mla)
-      $PY -c "import flashinfer" 2>/dev/null && backends+=(--backend flashinfer --backend "flashinfer(kv_layout=HND)")
-      $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(--backend flash_attn)
-      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
-        --device cuda "${backends[@]}"
+    convert-all)
+      convert_all
       ;;
     check-flash-attn)
       run flash-attn-tests $PY -m pytest -q -p no:cacheprovider tests/test_flash_attn_gpu.py &
@@ -143,13 +152,9 @@ for section in "$@"; do
       conform_parallel flashinfer full 4 &
       conform "split(decode=triton,prefill=flash_attn)" full &
       for backend in torch triton pallas mla flashinfer flash_attn; do
-        run "models-$backend" $PY -m pytest -q -p no:cacheprovider conformance/test_models.py \
-          --backend "$backend" --device cuda --conformance-models &
+        models "$backend" &
       done
-      backends=(--backend torch --backend triton --backend pallas --backend mla
-        --backend flashinfer --backend "flashinfer(kv_layout=HND)" --backend flash_attn)
-      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
-        --device cuda "${backends[@]}" &
+      convert_all &
       memcheck triton memcheck &
       memcheck pallas memcheck "decode or mixed" &
       memcheck flashinfer memcheck &
@@ -158,20 +163,16 @@ for section in "$@"; do
       wait
       ;;
     vendor-verify)  # the FlashInfer and FA4 runs, concurrently: FlashInfer's JIT compiles
-      # overlap across the processes (run it twice on one warm machine: the second finds
-      # every kernel compiled)
+      # overlap across the processes (then jit-save: the next call starts from them)
       run vendor-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py \
         tests/test_serving_graphs.py tests/test_triton_gluon_prefill_gpu.py &
-      conform_parallel flashinfer full 6 &
+      # two processes: more, each with its own nvcc build, oversubscribed the cores
+      # (docs/gpu-verification.md, third session)
+      conform_parallel flashinfer full 2 &
       conform triton quick &
-      for backend in flashinfer flash_attn; do
-        run "models-$backend" $PY -m pytest -q -p no:cacheprovider conformance/test_models.py \
-          --backend "$backend" --device cuda --conformance-models &
-      done
-      backends=(--backend torch --backend triton --backend pallas --backend mla
-        --backend flashinfer --backend "flashinfer(kv_layout=HND)" --backend flash_attn)
-      run convert-all $PY -m pytest -q -p no:cacheprovider conformance/test_convert.py \
-        --device cuda "${backends[@]}" &
+      models flashinfer &
+      models flash_attn &
+      convert_all &
       memcheck flashinfer memcheck &
       wait
       ;;

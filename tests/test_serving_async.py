@@ -10,7 +10,15 @@ import torch
 from pagedkv.kv import PLACEHOLDER_TOKEN_ID, BlockHasher, KVCacheUsageError, Request
 from pagedkv.serving import Engine, FinishReason, SamplingParams
 from serving_model import TinyDecoder, one_thread  # noqa: F401
-from test_serving_engine import ATOL, _check_against_dense, _prompts, _run_workload, _tight_config
+from test_serving_engine import (
+    ATOL,
+    _assert_same_outputs,
+    _check_against_dense,
+    _prompts,
+    _run_with_failing_forwards,
+    _run_workload,
+    _tight_config,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,37 +144,10 @@ def test_a_failed_step_runs_again_on_the_tokens_of_the_step_before():
     """A forward that dies with a step in flight: that step's tokens are resolved,
     and the failed step runs again (on known token ids) with the same outcome."""
     _, expected, _ = _run_workload(_tight_config())
-    model = TinyDecoder()
-    forward = model.forward
-    calls = 0
-
-    def dies_on_some_steps(input_ids, positions, logits_indices, attention):
-        nonlocal calls
-        calls += 1
-        if calls in (2, 6, 9):
-            forward(input_ids.flip(0), positions, logits_indices, attention)  # wrong K/V
-            raise RuntimeError("the device went away")
-        return forward(input_ids, positions, logits_indices, attention)
-
-    model.forward = dies_on_some_steps
-    engine = Engine(model, _tight_config(async_scheduling=True))
-    greedy = SamplingParams(max_tokens=8, return_logits=True)
-    twins = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3, return_logits=True)
-    for i, (prompt, params) in enumerate(zip(_prompts(), [greedy, greedy, twins, greedy])):
-        engine.add_request(f"prompt{i}", prompt, params)
-    outputs, failures = {}, 0
-    while engine.has_unfinished():
-        try:
-            outputs.update((o.request_id, o) for o in engine.step())
-        except RuntimeError:
-            failures += 1
+    config = _tight_config(async_scheduling=True)
+    _, outputs, failures = _run_with_failing_forwards(config, {2, 6, 9})
     assert failures == 3
-    for i, want in enumerate(expected):
-        got = outputs[f"prompt{i}"]
-        assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
-        for a, b in zip(got.samples, want.samples, strict=True):
-            for x, y in zip(a.logits, b.logits, strict=True):
-                torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    _assert_same_outputs(outputs, expected)
 
 
 def test_outputs_waiting_to_be_returned_survive_a_failed_step():

@@ -130,11 +130,10 @@ def test_abort_at_every_point_frees_everything():
         engine.abort("late")
 
 
-def test_a_step_whose_forward_raised_can_be_run_again():
-    """A forward that dies after writing junk K/V into the step's slots: none of its
-    blocks became prefix hits (mark_computed never ran), and stepping again recomputes
-    the same tokens over the junk, so every output equals an undisturbed run."""
-    _, expected, _ = _run_workload(_tight_config())
+def _run_with_failing_forwards(config: EngineConfig, failing_calls: set[int]) -> tuple:
+    """The workload of _run_workload, with the model's forward writing junk K/V into the
+    step's slots and raising on the ``failing_calls``-th calls; the caller steps again
+    after each failure. Returns (engine, outputs by request id, failures)."""
     model = TinyDecoder()
     forward = model.forward
     calls = 0
@@ -142,13 +141,13 @@ def test_a_step_whose_forward_raised_can_be_run_again():
     def dies_on_some_steps(input_ids, positions, logits_indices, attention):
         nonlocal calls
         calls += 1
-        if calls in (1, 3, 6):  # a prefill, a step with hits and chunks, a decode step
+        if calls in failing_calls:
             forward(input_ids.flip(0), positions, logits_indices, attention)  # wrong K/V
             raise RuntimeError("the device went away")
         return forward(input_ids, positions, logits_indices, attention)
 
     model.forward = dies_on_some_steps
-    engine = Engine(model, _tight_config())
+    engine = Engine(model, config)
     greedy = SamplingParams(max_tokens=8, return_logits=True)
     twins = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3, return_logits=True)
     for i, (prompt, params) in enumerate(zip(_prompts(), [greedy, greedy, twins, greedy])):
@@ -159,13 +158,27 @@ def test_a_step_whose_forward_raised_can_be_run_again():
             outputs.update((o.request_id, o) for o in engine.step())
         except RuntimeError:
             failures += 1
-    assert failures == 3 and engine.stats.prefix_hit_rate > 0
+    return engine, outputs, failures
+
+
+def _assert_same_outputs(got: dict, expected: list) -> None:
     for i, want in enumerate(expected):
-        got = outputs[f"prompt{i}"]
-        assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
-        for a, b in zip(got.samples, want.samples, strict=True):
+        out = got[f"prompt{i}"]
+        assert [s.token_ids for s in out.samples] == [s.token_ids for s in want.samples]
+        for a, b in zip(out.samples, want.samples, strict=True):
             for x, y in zip(a.logits, b.logits, strict=True):
                 torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+def test_a_step_whose_forward_raised_can_be_run_again():
+    """A forward that dies after writing junk K/V into the step's slots: none of its
+    blocks became prefix hits (mark_computed never ran), and stepping again recomputes
+    the same tokens over the junk, so every output equals an undisturbed run."""
+    _, expected, _ = _run_workload(_tight_config())
+    # a prefill, a step with hits and chunks, a decode step
+    engine, outputs, failures = _run_with_failing_forwards(_tight_config(), {1, 3, 6})
+    assert failures == 3 and engine.stats.prefix_hit_rate > 0
+    _assert_same_outputs(outputs, expected)
 
 
 def test_abort_after_a_failed_forward_leaves_no_junk_in_the_prefix_cache():
