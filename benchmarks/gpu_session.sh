@@ -62,6 +62,24 @@ conform_parallel() {  # conform_parallel BACKEND LEVEL N [pytest args]: N proces
   wait
 }
 
+conform_groups() {  # conform_groups BACKEND LEVEL EXPR...: one process per -k expression (FlashInfer:
+  # each group owns its kernel variants, so no two processes build the same module)
+  local backend=$1 level=$2; shift 2
+  local tag i=0
+  tag=$(echo "$backend" | tr -c 'a-zA-Z0-9_\n' '-' | cut -c1-40)
+  export MAX_JOBS=$(( $(nproc) / $# > 0 ? $(nproc) / $# : 1 ))
+  for expr in "$@"; do
+    run "conform-$tag-$level-g$i" $PY -m pytest -q -p no:cacheprovider conformance \
+      --backend "$backend" --conformance-level "$level" --device cuda \
+      --conformance-report "$OUT/conform-$tag-$level-g$i" -k "$expr" &
+    i=$((i + 1))
+  done
+  wait
+  # one report of the groups' (pagedkv conform --merge)
+  $PY -m pagedkv.cli conform --merge "$OUT"/conform-"$tag"-"$level"-g*.json \
+    --report "$OUT/conform-$tag-$level" >>"$SUMMARY" 2>&1
+}
+
 memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]
   local backend=$1 tool=$2 select=${3:-}
   # cuda-python probes driver entry points at import (cuGetProcAddress): API errors that
@@ -174,6 +192,20 @@ for section in "$@"; do
       models flash_attn &
       convert_all &
       memcheck flashinfer memcheck &
+      wait
+      ;;
+    flashinfer-full)  # full conformance of flashinfer, four processes by kernel variant
+      conform_groups flashinfer full \
+        "not (bfloat16 or head-size or window or soft-cap or sinks or non-causal or fp8)" \
+        "bfloat16 or head-size-64 or soft-cap" \
+        "head-size-256 or non-causal or fp8" \
+        "sinks or window"
+      ;;
+    flashinfer-rest)  # FlashInfer's memcheck, model conformance, HND layout, GPU tests
+      memcheck flashinfer memcheck &
+      models flashinfer &
+      conform "flashinfer(kv_layout=HND)" quick &
+      run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
       wait
       ;;
     convert)

@@ -172,6 +172,80 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+class ReportMergeError(ValueError):
+    """Reports that cannot be merged: another level, device or format."""
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the reports of runs that split one suite between them (``-k``
+    groups, CI shards, processes that each compile their own kernels): per backend and
+    scenario the cell of the run that ran it, a failure over a pass when two ran it;
+    checks likewise; counts recomputed. The runs must share format, level and device."""
+    if not reports:
+        raise ReportMergeError("no reports to merge")
+    first = reports[0]
+    for i, data in enumerate(reports):
+        for key in ("format_version", "level", "device"):
+            if data.get(key) != first.get(key):
+                raise ReportMergeError(
+                    f"report {i + 1}: {key} is {data.get(key)!r}, report 1 has "
+                    f"{first.get(key)!r}: only runs of one level on one device merge"
+                )
+    merged = dict(first)
+    merged["created"] = max(d["created"] for d in reports)
+    versions = {json.dumps(d["versions"], sort_keys=True) for d in reports}
+    if len(versions) > 1:
+        merged["versions"] = {"mixed": [json.loads(v) for v in sorted(versions)]}
+    cells: dict[tuple[str, str], dict[str, Any]] = {}
+    checks: dict[tuple[str, str], dict[str, Any]] = {}
+    merged["scenarios"] = {}
+    for data in reports:
+        merged["scenarios"].update(data["scenarios"])
+        for cell in data["results"]:
+            key = (cell["backend"], cell["scenario"])
+            if _cell_rank(cell) >= _cell_rank(cells.get(key)):
+                cells[key] = cell
+        for check in data["checks"]:
+            key = (check["check"], check["subject"])
+            old = checks.get(key)
+            if old is None or (check["status"] == "fail" and old["status"] != "fail"):
+                checks[key] = check
+    merged["results"] = list(cells.values())
+    merged["checks"] = list(checks.values())
+    merged["backends"] = {}
+    for data in reports:
+        for label, entry in data["backends"].items():
+            kept = merged["backends"].get(label)
+            if kept is None or (entry["available"] and not kept["available"]):
+                merged["backends"][label] = dict(entry)
+    for label, entry in merged["backends"].items():
+        if entry["available"]:
+            entry.update(_merged_counts(label, merged["results"]))
+    return merged
+
+
+def _cell_rank(cell: dict[str, Any] | None) -> int:
+    """Which of two cells of one backend and scenario a merge keeps: the higher."""
+    if cell is None:
+        return -1
+    return {"not run": 0, "n/a": 1, "pass": 2, "fail": 3}[cell["status"]]
+
+
+def _merged_counts(label: str, cells: list[dict[str, Any]]) -> dict[str, int]:
+    mine = [c for c in cells if c["backend"] == label]
+    statuses = [c["status"] for c in mine]
+    not_applicable = statuses.count("n/a")
+    return {
+        "passed": statuses.count("pass"),
+        "failed": statuses.count("fail"),
+        # a merged run cannot tell deselected from interrupted: both are "not run"
+        "deselected": 0,
+        "not_run": statuses.count("not run"),
+        "not_applicable": not_applicable,
+        "planned": len(mine) - not_applicable,
+    }
+
+
 # -- rendering --------------------------------------------------------------------------
 
 

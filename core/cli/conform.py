@@ -39,6 +39,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="Only tests matching EXPR.")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="Stop at the first failure.")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="REPORT",
+        help="Run nothing: merge the JSON reports of runs that split the suite (-k groups, CI "
+        "shards) into --report PATH and print the matrix; exit 1 if any cell or check failed.",
+    )
     return parser
 
 
@@ -49,6 +56,8 @@ INSTALL_HINT = 'pip install "pagedkv[conformance]"'
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge(args.merge, args.report, sys.stdout)
     try:
         import pytest
     except ImportError as exc:
@@ -211,3 +220,55 @@ def print_results(config: Any, out: TextIO) -> None:
 
     for path in run.report_files:
         print(f"report: {path}", file=out)
+
+
+def merge(paths: list[str], report: str | None, out: TextIO) -> int:
+    """``pagedkv conform --merge``: one report from several runs' JSON reports."""
+    import json
+    from pathlib import Path
+
+    from pagedkv.conformance.report import (
+        ReportMergeError,
+        markdown,
+        matrix_rows,
+        merge_reports,
+        report_paths,
+        summary_lines,
+    )
+
+    if report is None:
+        print("pagedkv conform: error: --merge needs --report PATH to write", file=sys.stderr)
+        return CANNOT_START
+    reports = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"pagedkv conform: error: cannot read report {path}: {exc}", file=sys.stderr)
+            return CANNOT_START
+        if not isinstance(data, dict) or "results" not in data:
+            print(f"pagedkv conform: error: {path} is not a conformance report", file=sys.stderr)
+            return CANNOT_START
+        reports.append(data)
+    try:
+        merged = merge_reports(reports)
+    except ReportMergeError as exc:
+        print(f"pagedkv conform: error: {exc}", file=sys.stderr)
+        return CANNOT_START
+    json_path, md_path = report_paths(report)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(merged, indent=2) + "\n")
+    md_path.write_text(markdown(merged))
+    print(format_table(*matrix_rows(merged)), file=out)
+    print(file=out)
+    print(
+        f"pagedkv conformance, {merged['level']} level on {merged['device']}, "
+        f"{len(reports)} reports merged:",
+        file=out,
+    )
+    for line in summary_lines(merged):
+        print(f"  {line}", file=out)
+    print(f"report: {json_path}\nreport: {md_path}", file=out)
+    failed = any(c["status"] == "fail" for c in merged["results"])
+    failed = failed or any(c["status"] == "fail" for c in merged["checks"])
+    return 1 if failed else 0
