@@ -244,12 +244,18 @@ for section in "$@"; do
           --backend triton --requests $n --scheduling sync async --no-compare
       done
       ;;
+    serving-profile)  # where the 8B decode step's device time goes (64 requests, async):
+      # kernels by kind and the top ones, eager model then compiled (docs/benchmarks.md)
+      LIMIT=${SERVING_LIMIT:-150} run serving-profile-triton-64 $PY benchmarks/serving_throughput.py \
+        --backend triton --requests 64 --scheduling async --no-compare --kernel-profile 5
+      ;;
     serving-compile)  # the compiled model (HFModel(compile="inductor")) under async scheduling:
       # the first compile of the 8B graph and the seven decode-graph captures take minutes
       LIMIT=120 run compile-tests $PY -m pytest -q -p no:cacheprovider tests/test_models_compile.py
       for n in 64 256; do
         LIMIT=${SERVING_LIMIT:-360} run "serving-compiled-triton-$n" $PY benchmarks/serving_throughput.py \
-          --backend triton --requests $n --scheduling async --compile inductor --no-compare
+          --backend triton --requests $n --scheduling async --compile inductor --no-compare \
+          --kernel-profile 5
       done
       ;;
     serving-matrix)  # the serving table (docs/benchmarks.md), one run at a time;

@@ -13,6 +13,8 @@ the same prompts with one fixed output length through pagedkv, ``generate_batch`
     python benchmarks/serving_throughput.py --backend triton --requests 64 256
     python benchmarks/serving_throughput.py --backend flashinfer --requests 64
     python benchmarks/serving_throughput.py --tiny      # CPU smoke: a tiny model, seconds
+    python benchmarks/serving_throughput.py --requests 64 --kernel-profile 5   # + where the
+        # decode step's device time goes: kernels by kind (matmul, attention, other), top 20
 """
 
 from __future__ import annotations
@@ -261,6 +263,90 @@ def attention_share(
     return sum(attn_s) / sum(step_s), statistics.mean(step_s)
 
 
+# kernel names by what they compute; a name matching none is "other" (norms, rotary
+# embeddings, activations, residual adds, copies: what a compiler would fuse)
+KERNEL_KINDS = (
+    # GPU kernels (cuBLAS, CUTLASS), then the CPU's operators
+    (
+        "matmul",
+        ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "splitk", "::mm", "addmm", "bmm"),
+    ),
+    (
+        "attention",
+        ("attention", "attn", "flashinfer", "flash", "reduce_splits", "write_kv", "merge_by_lse"),
+    ),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in lowered for w in words):
+            return kind
+    return "other"
+
+
+def kernel_profile(
+    model: HFModel,
+    args: argparse.Namespace,
+    device: str,
+    work: Workload,
+    cuda_graph: bool,
+    async_scheduling: bool,
+) -> tuple[list[list[str]], list[list[str]]]:
+    """Where a pure decode step's device time goes: ``args.kernel_profile`` steps (CUDA
+    graph replays when ``cuda_graph``) under torch.profiler, every GPU kernel (or on a
+    CPU, every operator's self time) summed per name. Returns (by kind, top kernels):
+    rows of name, launches per step, microseconds per step, share of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, engine_config(args, device, work, cuda_graph, async_scheduling))
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        engine.add_request(f"k{i}", prompt, SamplingParams(max_tokens=n))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
+        engine.step()  # every prompt computed: the profiled steps are pure decodes
+    for _ in range(2):
+        engine.step()  # the decode graphs of this batch size captured
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    steps = 0
+    with profile(activities=[activity]) as prof:
+        for _ in range(args.kernel_profile):
+            if not engine.has_unfinished():
+                break
+            engine.step()  # launches one step (async: and takes the previous one's tokens)
+            steps += 1
+        if device == "cuda":
+            torch.cuda.synchronize()  # every launched kernel done inside the window
+    del engine
+    _free(device)
+    totals: dict[str, list[float]] = {}
+    if device == "cuda":
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = totals.setdefault(event.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us()
+    else:
+        for avg in prof.key_averages():
+            if avg.self_cpu_time_total > 0:
+                totals[avg.key] = [avg.count, avg.self_cpu_time_total]
+    steps = max(1, steps)
+    whole = sum(t for _, t in totals.values()) or 1.0
+    kinds: dict[str, list[float]] = {}
+    for name, (count, us) in totals.items():
+        entry = kinds.setdefault(kernel_kind(name), [0, 0.0])
+        entry[0] += count
+        entry[1] += us
+
+    def row(name: str, count: float, us: float) -> list[str]:
+        return [name[:72], f"{count / steps:.0f}", f"{us / steps:,.1f}", f"{us / whole:.1%}"]
+
+    by_kind = [row(k, c, us) for k, (c, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[: args.kernel_profile_top]
+    return by_kind, [row(name, c, us) for name, (c, us) in ranked]
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes moved (read + written) per second by a large device-to-device copy."""
     if device != "cuda":
@@ -361,6 +447,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile-steps", type=int, default=20, help="Decode steps timed in the attention pass."
     )
+    p.add_argument(
+        "--kernel-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="Profile this many decode steps per request count (torch.profiler): device time "
+        "per step by kind (matmul, attention, other) and the top kernels.",
+    )
+    p.add_argument("--kernel-profile-top", type=int, default=20, help="Kernels listed.")
     p.add_argument("--no-compare", action="store_true", help="Skip the transformers baselines.")
     p.add_argument("--no-cuda-graph", action="store_true", help="Eager decode steps.")
     p.add_argument(
@@ -480,6 +575,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-1] += ["", ""]
             rows[-1] += [f"{run.prefix_hit_rate:.0%}", run.graph_replays]
             print(format_table(HEADERS, rows[-1:]), flush=True)
+        if args.kernel_profile:
+            mode = args.scheduling[-1]
+            by_kind, top = kernel_profile(model, args, device, work, cuda_graph, mode == "async")
+            unit = "GPU kernels" if device == "cuda" else "CPU operators (self time)"
+            print(f"\n{n} requests, {mode}: {unit} per decode step, by kind", flush=True)
+            print(format_table(PROFILE_HEADERS, by_kind))
+            print(f"\ntop {len(top)}")
+            print(format_table(PROFILE_HEADERS, top), flush=True)
         if args.no_compare:
             continue
         fixed = Workload(work.prompts, [args.compare_output_len] * n)
@@ -538,6 +641,7 @@ HEADERS = [
     "prefix hits",
     "graph replays",
 ]
+PROFILE_HEADERS = ["kernel", "launches/step", "us/step", "share"]
 COMPARE_HEADERS = [
     "requests",
     "output len",
