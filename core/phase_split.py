@@ -34,6 +34,7 @@ from pagedkv.graph import GraphBounds, GraphSupport
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.options import BackendOption
 from pagedkv.spec import AttentionSpec
+from pagedkv.transfer import to_device
 
 NAME = "split"  # pagedkv.registry.PHASE_SPLIT
 PARTS = ("decode", "prefill")
@@ -177,13 +178,13 @@ def sub_step(
         rows: slice | torch.Tensor = slice(int(tokens[0]), int(tokens[-1]) + 1)
         slots = common.slot_mapping[rows]
     else:
-        rows = torch.from_numpy(tokens).to(device)
+        rows = to_device(tokens, device)
         slots = common.slot_mapping.index_select(0, rows)
-    index = torch.from_numpy(requests).to(device)
+    index = to_device(requests, device)
     seq_cpu = common.seq_lens_cpu.index_select(0, torch.from_numpy(requests))
     qsl_cpu = torch.from_numpy(new_qsl.astype(np.int32))
     sub = CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device, non_blocking=True),
+        query_start_loc=to_device(qsl_cpu, device),
         seq_lens=common.seq_lens.index_select(0, index),
         block_table=common.block_table.index_select(0, index),
         slot_mapping=slots,

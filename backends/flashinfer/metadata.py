@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from pagedkv.errors import MetadataError
 from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def paged_kv_csr(block_table: torch.Tensor, seq_lens: np.ndarray, page_size: int
     # flat position of page j of request r in the row-major table
     rows = np.repeat(np.arange(num_reqs, dtype=np.int64), num_pages)
     cols = np.arange(total, dtype=np.int64) - indptr[rows]
-    flat = torch.from_numpy(rows * block_table.shape[1] + cols).to(block_table.device)
+    flat = to_device(rows * block_table.shape[1] + cols, block_table.device)
     indices = block_table.reshape(-1).index_select(0, flat).to(torch.int32)
     # a length that is an exact multiple of the page size fills its last page
     last = np.where(seq > 0, seq - (num_pages - 1) * page_size, 0)
@@ -148,7 +149,7 @@ def _group(
         rows = torch.from_numpy(tokens)
     table = common.block_table
     if reqs.size != table.shape[0]:
-        table = table.index_select(0, torch.from_numpy(reqs).to(table.device))
+        table = table.index_select(0, to_device(reqs, table.device))
     return RowGroup(
         requests=reqs,
         rows=rows,
@@ -187,7 +188,7 @@ def decode_rows_csr(common: CommonAttentionMetadata, num_rows: int) -> PagedKVCS
             f"{real} query rows exceed the {num_rows} rows of the CUDA-graph decode batch"
         )
     table = common.block_table
-    owner_rows = torch.from_numpy(np.pad(owner, (0, num_rows - real))).to(table.device)
+    owner_rows = to_device(np.pad(owner, (0, num_rows - real)), table.device)
     rows_table = table.index_select(0, owner_rows)
     rows_table[real:] = 0  # the null block
     rows_seq = np.pad(seq[owner], (0, num_rows - real), constant_values=1)

@@ -15,6 +15,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.split_kv import num_sms
+from pagedkv.transfer import to_device
 
 # KernelConfig fields a config string may set (declared as BackendOptions in backend.py)
 TILE_OPTIONS = (
@@ -71,7 +72,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
         tiles_np = tile_table(query_lens, heads, cfg.block_m)
         if bounds is None:
-            tiles = torch.from_numpy(tiles_np).to(self.device)
+            tiles = to_device(tiles_np, self.device)
             max_seq_len = int(common.seq_lens_cpu.numpy().max(initial=0))
             reduce_rows = common.num_actual_tokens
         else:

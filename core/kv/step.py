@@ -12,6 +12,7 @@ from pagedkv.intmath import cdiv
 from pagedkv.kv.block_table import BlockTable, check_block_ids
 from pagedkv.kv.manager import BlockCopy
 from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ def copies_to_tensors(
     copies: Sequence[BlockCopy], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(src, dst) int64 tensors for ``AttentionBackend.copy_blocks``."""
-    src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
-    dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
+    src = to_device([c.src for c in copies], device, torch.int64)
+    dst = to_device([c.dst for c in copies], device, torch.int64)
     return src, dst
 
 
@@ -157,13 +158,11 @@ class StepAssembler:
         table = self.block_table.commit(num_reqs)
         qsl_cpu = torch.from_numpy(qsl)
         seq_cpu = torch.from_numpy(seq_np)
-        # non-blocking: the host goes on with the step while the device runs the one
-        # before (the sources are fresh arrays, staged by the copy itself)
         return CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
-            seq_lens=seq_cpu.to(self.device, non_blocking=True),
+            query_start_loc=to_device(qsl_cpu, self.device),
+            seq_lens=to_device(seq_cpu, self.device),
             block_table=table,
-            slot_mapping=torch.from_numpy(slots).to(self.device, non_blocking=True),
+            slot_mapping=to_device(slots, self.device),
             num_actual_tokens=int(qsl[-1]),
             max_query_len=int(query_lens.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),

@@ -23,6 +23,7 @@ from pagedkv.serving.sampler import sample
 from pagedkv.serving.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedkv.serving.sequence import FinishReason
 from pagedkv.serving.sequence import Sequence as Seq
+from pagedkv.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     """Row indices on the device, copied without waiting for the device's queue."""
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(rows, device, torch.int64)
 
 
 def _blocks_holding_kv(manager: KVCacheManager) -> list[int]:

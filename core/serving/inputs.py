@@ -11,6 +11,7 @@ from pagedkv.errors import MetadataError
 from pagedkv.kv import PLACEHOLDER_TOKEN_ID
 from pagedkv.serving.plan import PlannedSeq
 from pagedkv.slots import token_positions
+from pagedkv.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,15 @@ def build_step_inputs(
     padded_positions[:num_actual] = positions
     last_rows = query_start_loc[1:] - 1
     sampled = np.array([s.samples for s in scheduled], dtype=bool)
-    input_ids = torch.from_numpy(ids).to(device, non_blocking=True)
+    input_ids = to_device(ids, device)
     if fed:
         assert feed is not None
-        dst, src = torch.tensor(fed, dtype=torch.int64).to(device, non_blocking=True).unbind(1)
+        dst, src = to_device(fed, device, torch.int64).unbind(1)
         input_ids.index_copy_(0, dst, feed.tokens.index_select(0, src))
     return StepInputs(
         input_ids=input_ids,
-        positions=torch.from_numpy(padded_positions).to(device, non_blocking=True),
-        logits_indices=torch.from_numpy(last_rows[sampled]).to(device, non_blocking=True),
+        positions=to_device(padded_positions, device),
+        logits_indices=to_device(last_rows[sampled], device),
         num_actual_tokens=num_actual,
     )
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 from pagedkv.serving.params import SamplingParams
+from pagedkv.transfer import to_device
 
 
 def sample(
@@ -25,7 +26,7 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return tokens
-    rows = torch.tensor(random_rows, device=logits.device)
+    rows = to_device(random_rows, logits.device, torch.int64)
     probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
     q = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
@@ -37,12 +38,17 @@ def sample(
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature, restricted to each row's top-k and top-p set."""
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    # host values copied without blocking, and the filter decided on the host: reading
+    # a device tensor (``bool(t.any())``) would wait for the step in flight
+    device = logits.device
+    temperature = to_device([p.temperature for p in params], device, torch.float32)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    top_ks = [min(p.top_k or vocab, vocab) for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(k < vocab for k in top_ks) or any(p < 1 for p in top_ps):
+        top_k = to_device(top_ks, device, torch.int64)
+        top_p = to_device(top_ps, device, torch.float32)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)
         drop = rank[None, :] >= top_k[:, None]

@@ -24,6 +24,7 @@ import torch
 from pagedkv.errors import MetadataError, UnsupportedError
 from pagedkv.intmath import cdiv
 from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.transfer import to_device
 
 if TYPE_CHECKING:
     from pagedkv.backend import AttentionImpl, AttentionMetadataBuilder
@@ -317,15 +318,15 @@ def plan_decode_slices(
     for name, array in host.items():
         src = torch.from_numpy(array)
         if buffer is None:
-            out[name] = src.to(device, non_blocking=True)
+            out[name] = to_device(src, device)
         else:
             out[name] = buffer(f"split_kv.{name}", tuple(src.shape), src.dtype)
             out[name].copy_(src, non_blocking=True)
 
     # the sliced table: row v holds its request's pages from its slice's first page on
-    first_page = torch.from_numpy(np.pad(first_key // bs, (0, pad_v))).to(device, non_blocking=True)
-    owner = torch.from_numpy(np.pad(req, (0, pad_v))).to(device)
-    used = torch.from_numpy(np.pad(pages, (0, pad_v))).to(device)
+    first_page = to_device(np.pad(first_key // bs, (0, pad_v)), device)
+    owner = to_device(np.pad(req, (0, pad_v)), device)
+    used = to_device(np.pad(pages, (0, pad_v)), device)
     cols = torch.arange(width, device=device)
     src_cols = first_page[:, None] + cols[None, :]
     in_slice = cols[None, :] < used[:, None]
