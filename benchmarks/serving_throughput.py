@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile",
         metavar="BACKEND",
         default=None,
-        help="torch.compile the model's forward with this backend (HFModel(compile=...)).",
+        help="torch.compile the model's layers with this backend (HFModel(compile=...)).",
     )
     p.add_argument(
         "--scheduling",

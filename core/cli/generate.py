@@ -133,7 +133,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--compile",
         metavar="BACKEND",
         default=None,
-        help="torch.compile the model's forward with this backend (e.g. inductor): fused "
+        help="torch.compile the model's layers with this backend (e.g. inductor): fused "
         "norms, rotary embeddings and activations around pagedkv's attention.",
     )
     engine.add_argument(

@@ -43,6 +43,7 @@ class _StepInContext:
 
 
 STEP_IN_CONTEXT = _StepInContext()
+LAYER_INDEX = "pagedkv_layer_index"  # the attention modules' attribute (index_layer)
 _steps: list[HFStep] = []  # the steps being run, innermost last
 
 
@@ -87,7 +88,7 @@ def paged_attention_forward(
             query,
             key,
             value,
-            module.layer_idx,
+            getattr(module, LAYER_INDEX),
             out_dim,
             checked.scaling,
             checked.sliding_window,
@@ -107,6 +108,15 @@ class _CheckedArgs:
     sliding_window: int | None
     softcap: float | None
     has_sinks: bool
+
+
+def index_layer(module: Any) -> None:
+    """Give an attention module its ``layer_idx`` as a tensor (0-d int64 on the CPU,
+    a plain attribute, so it stays on the CPU when the model moves), for the compiled
+    op. An int attribute would be a constant of the compiled code, guarded on: every
+    layer of a regionally compiled model would compile its own graph. As a tensor it is
+    an input of the graph, read by the op at run time."""
+    setattr(module, LAYER_INDEX, torch.tensor(module.layer_idx))
 
 
 def _attend(
@@ -140,7 +150,7 @@ def _hf_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor | None,
-    layer: int,
+    layer: torch.Tensor,
     out_dim: int,
     scaling: float | None,
     sliding_window: int | None,
@@ -149,17 +159,18 @@ def _hf_attention_op(
 ) -> torch.Tensor:
     """One layer's paged attention in a compiled model: opaque to the compiler (it
     writes the layer's cache and reads the step's metadata, neither of which the
-    compiler sees), run on the step of the innermost ``step_context``."""
+    compiler sees), run on the step of the innermost ``step_context``. ``layer``: the
+    layer index, 0-d (``index_layer``)."""
     if not _steps:
         raise ModelSupportError("pagedkv::hf_attention ran outside step_context")
     checked = _CheckedArgs(scaling, sliding_window, softcap, has_sinks)
     # contiguous, as the fake below: the compiled graph views the output by its strides
     # (MLA's up-projection returns another layout)
-    return _attend(_steps[-1], layer, query, key, value, checked).contiguous()
+    return _attend(_steps[-1], int(layer), query, key, value, checked).contiguous()
 
 
 @_hf_attention_op.register_fake
-def _(query: torch.Tensor, key: Any, value: Any, layer: int, out_dim: int, *checks: Any) -> Any:
+def _(query: torch.Tensor, key: Any, value: Any, layer: Any, out_dim: int, *checks: Any) -> Any:
     """The output's shape: [1, T, H, out_dim], contiguous (as the op's)."""
     return query.new_empty((1, query.shape[2], query.shape[1], out_dim))
 

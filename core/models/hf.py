@@ -19,6 +19,7 @@ from pagedkv.models import attention as attn
 from pagedkv.models.deps import require_transformers
 from pagedkv.models.errors import ModelSupportError
 from pagedkv.models.mla import is_mla_attention, pass_latent_through, split_kv_b_proj
+from pagedkv.models.regional import compile_layers, decoder_layers
 from pagedkv.models.specs import attention_layer, attention_modules
 from pagedkv.models.tensor_parallel import shard_model
 from pagedkv.serving import AttentionLayer, StepAttention, TensorParallel
@@ -33,11 +34,16 @@ class HFModel:
     tp: this rank's tensor-parallel group; the model (full weights on every rank) is
     sharded in place (``pagedkv.models.tensor_parallel``) and its attention layers
     are this rank's heads.
-    compile: a ``torch.compile`` backend (``"inductor"``) for the model's forward, with
-    dynamic token counts: the compiler fuses what surrounds attention (norms, rotary
-    embeddings, activations, residuals), and each layer's paged attention is one
-    opaque op (``pagedkv::hf_attention``) that runs the step's impl. A CUDA-graph
-    decode step then replays the fused kernels. None: eager.
+    compile: a ``torch.compile`` backend (``"inductor"``), dynamic token counts, for
+    the model's decoder layers (regional compilation, ``pagedkv.models.regional``):
+    each layer of the ``nn.ModuleList`` that holds the attention modules is compiled,
+    embedding, final norm and head stay eager. Identical layers share one compiled
+    graph, so the first step's compile time does not grow with depth. The compiler
+    fuses what surrounds attention (norms, rotary embeddings, activations, residuals);
+    each layer's paged attention is one opaque op (``pagedkv::hf_attention``) that runs
+    the step's impl. A model without such a list has its whole forward compiled. A
+    CUDA-graph decode step then replays the fused kernels. None: eager.
+    ``compiled_layers``: the compiled list, None when eager or compiled whole.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class HFModel:
         self.modules = attention_modules(model)
         self.mla_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for module in self.modules:
+            attn.index_layer(module)
             if is_mla_attention(module):
                 pass_latent_through(module, attn.ATTENTION_NAME)
                 self.mla_weights[module.layer_idx] = split_kv_b_proj(
@@ -72,9 +79,14 @@ class HFModel:
             shard_model(model, tp)
         model.set_attn_implementation(attn.ATTENTION_NAME)
         self.compile = compile
-        self._compiled = (
-            None if compile is None else torch.compile(self._run, dynamic=True, backend=compile)
+        self.compiled_layers: torch.nn.ModuleList | None = (
+            None if compile is None else decoder_layers(model, self.modules)
         )
+        self._compiled = None
+        if self.compiled_layers is not None:
+            compile_layers(self.compiled_layers, compile)
+        elif compile is not None:  # no list of layers: the whole forward
+            self._compiled = torch.compile(self._run, dynamic=True, backend=compile)
 
     @property
     def device(self) -> torch.device:
@@ -107,13 +119,16 @@ class HFModel:
                 "(restore it, e.g. leave reference_attention's block)"
             )
         step = attn.HFStep(attention, self.mla_weights)
-        if self._compiled is None:
+        if self.compile is None:
             return self._run(input_ids, positions, logits_indices, step)
-        # token and row counts unbacked: no specialization of the counts 0 and 1, so
-        # one compiled graph serves prefills, decode batches of any size and a lone decode
-        for t in (input_ids, positions, logits_indices):
-            torch._dynamo.decorators.mark_unbacked(t, 0)
         with attn.step_context(step):
+            if self._compiled is None:  # the layers are compiled
+                return self._run(input_ids, positions, logits_indices, attn.STEP_IN_CONTEXT)
+            # token and row counts unbacked: no specialization of the counts 0 and 1, so
+            # one compiled graph serves prefills, decode batches of any size and a lone
+            # decode
+            for t in (input_ids, positions, logits_indices):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
             return self._compiled(input_ids, positions, logits_indices, attn.STEP_IN_CONTEXT)
 
     def _run(
