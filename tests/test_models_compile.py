@@ -127,7 +127,7 @@ def test_hf_attention_on_a_compiled_model_runs_the_layers_eagerly():
 def test_the_op_refuses_to_run_outside_a_step():
     with pytest.raises(ModelSupportError, match="outside step_context"):
         torch.ops.pagedkv.hf_attention(
-            torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4),
+            torch.zeros(3, 2, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4),
             torch.tensor(0), 4, None, None, None, False,
         )  # fmt: skip
     assert attn._steps == []

@@ -54,6 +54,29 @@ def test_a_spec_that_disagrees_with_the_module_is_refused():
         engine.step()
 
 
+def test_a_batched_call_is_refused_with_the_layer():
+    model = load_model("tiny-llama")
+    engine = Engine(model, EngineConfig(backend="torch", max_model_len=64))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    batched = model._run
+
+    def run(input_ids, positions, logits_indices, step):  # two copies of the step's tokens
+        out = model.model(
+            input_ids=input_ids[None].expand(2, -1),
+            position_ids=positions[None].expand(2, -1),
+            use_cache=False,
+            pagedkv_step=step,
+        )
+        return out.logits[0]
+
+    model._run = run
+    try:
+        with pytest.raises(ModelSupportError, match="layer 0: batch dimension 2, expected 1"):
+            engine.step()
+    finally:
+        model._run = batched
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_llama_decode_graphs_equal_eager():

@@ -82,12 +82,22 @@ def paged_attention_forward(
         kwargs.get("softcap"),
         kwargs.get("s_aux") is not None,
     )
+    if query.shape[0] != 1:
+        raise ModelSupportError(
+            f"layer {module.layer_idx}: batch dimension {query.shape[0]}, expected 1 (the "
+            "step is flattened)"
+        )
+    # HF's [1, H, T, D] to the contract's [T, H, D], outside the op: in a compiled model
+    # the compiler writes these layouts from the kernels that make q, k and v (the
+    # rotary embedding's, the projection's) instead of copying them in the op
+    q, k = _token_major(query), _token_major(key)
+    v = None if value is None else _token_major(value)
     if pagedkv_step is STEP_IN_CONTEXT:
         out_dim = module.v_head_dim if value is None else value.shape[-1]
         out = torch.ops.pagedkv.hf_attention(
-            query,
-            key,
-            value,
+            q,
+            k,
+            v,
             getattr(module, LAYER_INDEX),
             out_dim,
             checked.scaling,
@@ -97,7 +107,12 @@ def paged_attention_forward(
         )
         return out, None
     assert isinstance(pagedkv_step, HFStep)
-    return _attend(pagedkv_step, module.layer_idx, query, key, value, checked), None
+    return _attend(pagedkv_step, module.layer_idx, q, k, v, checked), None
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` -> ``[T, H, D]``, contiguous."""
+    return x[0].transpose(0, 1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -127,21 +142,19 @@ def _attend(
     value: torch.Tensor | None,
     checked: _CheckedArgs,
 ) -> torch.Tensor:
+    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` (MLA: key the latent
+    ``[T, 1, L + R]``, value None), contiguous. Returns ``[1, T, H, Dv]``."""
     attention = step.attention
-    _check_call(layer, attention.cache.layers[layer].spec, query, checked)
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    _check_call(layer, attention.cache.layers[layer].spec, checked)
     weights = step.mla_weights.get(layer)
     if weights is not None:  # absorbed MLA through the contract: any MLA backend
         w_uk, w_uv = weights
         nope = w_uk.shape[-1]
-        absorbed = torch.cat((absorb_query(q[..., :nope], w_uk), q[..., nope:]), dim=-1)
-        latent = key[0].transpose(0, 1).contiguous()  # [T, 1, L + R]
-        out = up_project(attention.forward(layer, absorbed, latent, None), w_uv)
+        absorbed = torch.cat((absorb_query(query[..., :nope], w_uk), query[..., nope:]), dim=-1)
+        out = up_project(attention.forward(layer, absorbed, key, None), w_uv)
     else:
         assert value is not None
-        k = key[0].transpose(0, 1).contiguous()
-        v = value[0].transpose(0, 1).contiguous()
-        out = attention.forward(layer, q.contiguous(), k, v)
+        out = attention.forward(layer, query, key, value)
     return out.unsqueeze(0)
 
 
@@ -159,8 +172,9 @@ def _hf_attention_op(
 ) -> torch.Tensor:
     """One layer's paged attention in a compiled model: opaque to the compiler (it
     writes the layer's cache and reads the step's metadata, neither of which the
-    compiler sees), run on the step of the innermost ``step_context``. ``layer``: the
-    layer index, 0-d (``index_layer``)."""
+    compiler sees), run on the step of the innermost ``step_context``. Tensors as
+    ``_attend`` takes them (``[T, H, D]``); ``layer``: the layer index, 0-d
+    (``index_layer``)."""
     if not _steps:
         raise ModelSupportError("pagedkv::hf_attention ran outside step_context")
     checked = _CheckedArgs(scaling, sliding_window, softcap, has_sinks)
@@ -172,14 +186,12 @@ def _hf_attention_op(
 @_hf_attention_op.register_fake
 def _(query: torch.Tensor, key: Any, value: Any, layer: Any, out_dim: int, *checks: Any) -> Any:
     """The output's shape: [1, T, H, out_dim], contiguous (as the op's)."""
-    return query.new_empty((1, query.shape[2], query.shape[1], out_dim))
+    return query.new_empty((1, query.shape[0], query.shape[1], out_dim))
 
 
-def _check_call(layer: int, spec: Any, query: torch.Tensor, checked: _CheckedArgs) -> None:
+def _check_call(layer: int, spec: Any, checked: _CheckedArgs) -> None:
     """What the module passes at run time must be what its spec was built from."""
     problems = []
-    if query.shape[0] != 1:
-        problems.append(f"batch dimension {query.shape[0]}, expected 1 (the step is flattened)")
     if checked.scaling is not None and checked.scaling != spec.scale:
         problems.append(f"scaling {checked.scaling} but the spec has {spec.scale}")
     window = checked.sliding_window
