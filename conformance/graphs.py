@@ -27,29 +27,36 @@ from pagedkv.graph import GraphBounds, GraphSupport
 from pagedkv.intmath import cdiv
 
 
-def graph_steps(base: Scenario, support: GraphSupport) -> tuple[Scenario, Scenario]:
-    """Two different steps on ``base``'s layer: pure decodes, or mixed steps when the
-    backend declares MIXED. B has fewer requests and tokens (padding) and other lengths."""
+def graph_steps(base: Scenario, support: GraphSupport) -> list[tuple[Scenario, Scenario]]:
+    """Pairs of different steps A and B on ``base``'s layer, each pair one reservation:
+    pure decodes (what engines capture most), and mixed steps too when the backend
+    declares MIXED. B has fewer requests and tokens (padding) and other lengths; the
+    decode pair's B holds one long request (more than 1024 keys), so a backend that
+    chooses splits per step chooses differently for A and B within one graph."""
     B = base.block_size
-    if support is GraphSupport.MIXED:
-        a = base.replace(
-            name="graph-step-a", seq_lens=(3 * B + 5, 40, 2 * B, 9), query_lens=(1, 17, 2 * B, 1),
-            num_padding_tokens=0, seed=base.seed + 101,
-        )  # fmt: skip
-        b = base.replace(
-            name="graph-step-b", seq_lens=(B + 1, 5 * B - 3, 12), query_lens=(4, 1, 12),
-            num_padding_tokens=0, seed=base.seed + 202,
-        )  # fmt: skip
-    else:
-        a = base.replace(
+    decodes = (
+        base.replace(
             name="graph-step-a", seq_lens=(3 * B + 5, 40, 2 * B, 9), query_lens=(1, 1, 1, 1),
             num_padding_tokens=0, seed=base.seed + 101,
-        )  # fmt: skip
-        b = base.replace(
-            name="graph-step-b", seq_lens=(5 * B - 3, 7), query_lens=(1, 1),
+        ),
+        base.replace(
+            name="graph-step-b", seq_lens=(1100 // B * B + 3, 7), query_lens=(1, 1),
             num_padding_tokens=0, seed=base.seed + 202,
-        )  # fmt: skip
-    return a, b
+        ),
+    )  # fmt: skip
+    if support is not GraphSupport.MIXED:
+        return [decodes]
+    mixed = (
+        base.replace(
+            name="graph-mixed-step-a", seq_lens=(3 * B + 5, 40, 2 * B, 9), query_lens=(1, 17, 2 * B, 1),
+            num_padding_tokens=0, seed=base.seed + 101,
+        ),
+        base.replace(
+            name="graph-mixed-step-b", seq_lens=(B + 1, 5 * B - 3, 12), query_lens=(4, 1, 12),
+            num_padding_tokens=0, seed=base.seed + 202,
+        ),
+    )  # fmt: skip
+    return [mixed, decodes]
 
 
 def _bounds(a: PagedProblem, b: PagedProblem) -> GraphBounds:
@@ -72,10 +79,19 @@ def _write_context(impl, builder, cache: torch.Tensor, problem: PagedProblem) ->
 def graph_replay_results(
     backend: AttentionBackend, base: Scenario, device: str
 ) -> tuple[str, list[ScenarioResult]]:
-    """(mode, [result of step A, result of step B]); mode is "cuda graph" or
-    "emulated replay (cpu)"."""
-    support = backend.capabilities.graph_support
-    scenario_a, scenario_b = graph_steps(base, support)
+    """(mode, [result of step A, result of step B, ...]: every pair of ``graph_steps``);
+    mode is "cuda graph" or "emulated replay (cpu)"."""
+    mode, results = "", []
+    for scenario_a, scenario_b in graph_steps(base, backend.capabilities.graph_support):
+        mode, pair = _replay_pair(backend, scenario_a, scenario_b, device)
+        results += pair
+    return mode, results
+
+
+def _replay_pair(
+    backend: AttentionBackend, scenario_a: Scenario, scenario_b: Scenario, device: str
+) -> tuple[str, list[ScenarioResult]]:
+    """Capture A in its reservation, replay A, then B built into A's buffers."""
     a, b = build_problem(scenario_a, device), build_problem(scenario_b, device)
     b.sinks = a.sinks  # one impl, one set of sink logits
     spec = a.spec
