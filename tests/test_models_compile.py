@@ -113,6 +113,17 @@ def test_a_model_without_a_layer_list_compiles_its_whole_forward():
     _assert_same(eager, compiled)
 
 
+def test_before_torch_2_5_the_whole_forward_is_compiled(monkeypatch):
+    """Before torch 2.5 dynamo did not inline modules, so each layer would compile its
+    own graph: the whole forward is compiled instead."""
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    counters = _counting_compiles()
+    model = load_model("tiny-llama", compile="aot_eager")
+    assert model.compiled_layers is None
+    _generate(model)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_hf_attention_on_a_compiled_model_runs_the_layers_eagerly():
     """The compiled layers serve pagedkv's steps only: HF's own attention (e.g. its
     generate as a reference) neither compiles them nor runs their compiled code."""

@@ -19,7 +19,7 @@ from pagedkv.models import attention as attn
 from pagedkv.models.deps import require_transformers
 from pagedkv.models.errors import ModelSupportError
 from pagedkv.models.mla import is_mla_attention, pass_latent_through, split_kv_b_proj
-from pagedkv.models.regional import compile_layers, decoder_layers
+from pagedkv.models.regional import compile_layers, decoder_layers, shares_layer_graphs
 from pagedkv.models.specs import attention_layer, attention_modules
 from pagedkv.models.tensor_parallel import shard_model
 from pagedkv.serving import AttentionLayer, StepAttention, TensorParallel
@@ -80,7 +80,9 @@ class HFModel:
         model.set_attn_implementation(attn.ATTENTION_NAME)
         self.compile = compile
         self.compiled_layers: torch.nn.ModuleList | None = (
-            None if compile is None else decoder_layers(model, self.modules)
+            decoder_layers(model, self.modules)
+            if compile is not None and shares_layer_graphs()
+            else None
         )
         self._compiled = None
         if self.compiled_layers is not None:

@@ -17,6 +17,15 @@ from typing import Any
 
 import torch
 from pagedkv.models.attention import STEP_IN_CONTEXT
+from torch.torch_version import TorchVersion
+
+
+def shares_layer_graphs() -> bool:
+    """Whether dynamo inlines nn modules with their parameters as graph inputs (from
+    torch 2.5 on), so identical layers share one compiled graph. Before, every layer
+    would compile its own graph (up to dynamo's recompile limit, then run eagerly):
+    ``HFModel`` then compiles the whole forward instead."""
+    return TorchVersion(torch.__version__) >= (2, 5)
 
 
 def decoder_layers(model: torch.nn.Module, attention: list[Any]) -> torch.nn.ModuleList | None:
