@@ -90,8 +90,11 @@ def paged_attention_forward(
     # HF's [1, H, T, D] to the contract's [T, H, D], outside the op: in a compiled model
     # the compiler writes these layouts from the kernels that make q, k and v (the
     # rotary embedding's, the projection's) instead of copying them in the op
-    q, k = _token_major(query), _token_major(key)
-    v = None if value is None else _token_major(value)
+    k = _token_major(key)
+    if value is None:  # MLA: the query is absorbed next (a new tensor): no copy of it here
+        q, v = query[0].transpose(0, 1), None
+    else:
+        q, v = _token_major(query), _token_major(value)
     if pagedkv_step is STEP_IN_CONTEXT:
         out_dim = module.v_head_dim if value is None else value.shape[-1]
         out = torch.ops.pagedkv.hf_attention(
@@ -143,7 +146,8 @@ def _attend(
     checked: _CheckedArgs,
 ) -> torch.Tensor:
     """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` (MLA: key the latent
-    ``[T, 1, L + R]``, value None), contiguous. Returns ``[1, T, H, Dv]``."""
+    ``[T, 1, L + R]``, value None), contiguous (MLA's query a view: it is absorbed).
+    Returns ``[1, T, H, Dv]``."""
     attention = step.attention
     _check_call(layer, attention.cache.layers[layer].spec, checked)
     weights = step.mla_weights.get(layer)
