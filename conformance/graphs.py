@@ -31,8 +31,8 @@ def graph_steps(base: Scenario, support: GraphSupport) -> list[tuple[Scenario, S
     """Pairs of different steps A and B on ``base``'s layer, each pair one reservation:
     pure decodes (what engines capture most), and mixed steps too when the backend
     declares MIXED. B has fewer requests and tokens (padding) and other lengths; the
-    decode pair's B holds one long request (more than 1024 keys, long enough to split)
-    where A's are short, so a plan that depends on the step's lengths shows."""
+    decode pair's B holds one long request (more than 1024 keys), so a backend that
+    chooses splits per step chooses differently for A and B within one graph."""
     B = base.block_size
     decodes = (
         base.replace(

@@ -375,6 +375,54 @@ def test_reserved_builds_keep_one_plan_and_their_buffers():
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
 
 
+def test_reserved_decode_steps_choose_their_own_splits():
+    """A decode reservation keeps one grid and one set of buffers, the most splits any
+    step within the bounds may take, and each step's own split count is written where
+    the kernels read it: a lone long request splits, a full batch of short ones does
+    not, and both attend as eager steps do."""
+    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
+    backend = pagedkv.get_backend("triton")
+    builder = backend.make_builder(spec, DEVICE)
+    builder.reserve_cuda_graph(
+        GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=160, max_query_len=1)
+    )
+    impl = backend.make_impl(spec)
+    cache = backend.allocate_kv_cache(200, spec, DEVICE)
+    cache.normal_()
+    eager_builder = backend.make_builder(spec, DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    seen, chosen, first = None, [], None
+    for seq_lens, blocks in (
+        ([2500], [list(range(1, 158))]),  # one long request: many splits
+        ([40] * 8, [[2 * i + 1, 2 * i + 2, 2 * i + 3] for i in range(8)]),  # short ones
+        ([700, 33, 1500], [list(range(1, 45)), [50, 51, 52], list(range(60, 154))]),
+    ):
+        common = CommonAttentionMetadata.from_requests(
+            seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
+        )
+        md = builder.build(common)
+        plan = md.plan
+        assert plan.dynamic_splits and plan.num_splits > 1
+        num_splits = md.parts[0].attention.kwargs["NumSplits"]
+        assert num_splits is md.parts[0].reduce.kwargs["NumSplits"]
+        assert num_splits.tolist() == [md.step_splits] and 1 <= md.step_splits <= plan.num_splits
+        buffers = [num_splits, *(md.parts[0].attention.kwargs[k] for k in ("PartAcc", "PartMax"))]
+        now = (plan, md.parts[0].attention.grid, [b.data_ptr() for b in buffers])
+        assert seen is None or now == seen
+        seen = now
+        chosen.append(md.step_splits)
+        n = common.num_tokens
+        q = torch.randn(8, 4, 32, generator=gen).half().to(DEVICE)
+        # an emulated replay: the first step's launches (what a graph captured), this
+        # step's buffer contents, its split count among them
+        first = first or md
+        out = impl.forward(q, None, None, cache, first)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
+    assert chosen[0] > chosen[1] == 1, chosen  # the lone long request splits, the batch not
+    assert "of at most" in md.describe()
+
+
 # -- bad metadata is refused or honoured, never read wrongly ---------------------------------
 
 SMALL = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)

@@ -19,6 +19,7 @@ import numpy as np
 import pagedkv
 import pytest
 import torch
+from pagedkv import GraphBounds
 from pagedkv.backends.triton.configs import LayerShape, StepShape, TileConfig, plan_tiles
 from pagedkv.conformance import Scenario
 from pagedkv.conformance.problem import build_problem
@@ -52,6 +53,7 @@ class Variant:
     tile: TileConfig | None = None  # None: the builder's own choice on the scenario
     num_splits: int | None = None
     batch_invariant: bool = False
+    bounds: GraphBounds | None = None  # built under this CUDA-graph reservation
 
 
 # layer: (scenario, the steps whose plans it compiles). Every head size meets every GQA
@@ -144,6 +146,13 @@ def _variants() -> list[Variant]:
     ):
         label = f"split{splits}" + "".join(f"-{k}" for k in changes)
         out.append(Variant(label, BASE.replace(seq_lens=(4000, 40), **changes), num_splits=splits))
+    # a CUDA-graph decode plan: the split count read on the device (its grid the most
+    # splits the bounds allow), with and without sinks
+    decode_bounds = GraphBounds(max_num_reqs=2, max_num_tokens=2, max_blocks_per_req=256)
+    for changes in ({}, dict(use_sinks=True)):
+        label = "graph-decode-dynamic-splits" + "".join(f"-{k}" for k in changes)
+        scenario = BASE.replace(seq_lens=(4000, 40), **changes)
+        out.append(Variant(label, scenario, bounds=decode_bounds))
     out.append(
         Variant(
             "invariant-sinks",
@@ -164,8 +173,14 @@ def _launches(variant: Variant) -> list[KernelLaunch]:
     cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
     # the classes directly: make_builder refuses bfloat16 on a CPU (the interpreter's)
     builder = backend.get_builder_cls()(
-        spec, "cpu", cache_layout=backend.get_kv_layout(), **backend.options
+        spec,
+        "cpu",
+        cache_layout=backend.get_kv_layout(),
+        graph_support=backend.capabilities.graph_support,
+        **backend.options,
     )
+    if variant.bounds is not None:
+        builder.reserve_cuda_graph(variant.bounds)
     metadata = builder.build(problem.common, tile=variant.tile, num_splits=variant.num_splits)
     impl = backend.get_impl_cls()(spec, sinks=problem.sinks, cache_layout=backend.get_kv_layout())
     launches = impl.plan(problem.query, cache, metadata, torch.empty_like(problem.query))
@@ -234,8 +249,10 @@ def test_the_matrix_covers_the_rule():
         "block64",
     ):
         assert part in labels, part
-    for part in ("fp8", "fp32", "-split", "invariant", "m16-", "m32-", "m64-"):
+    for part in ("fp8", "fp32", "-split", "invariant", "m16-", "m32-", "m64-", "dynamic-splits"):
         assert part in labels, part
+    graph = [v for v in VARIANTS if v.bounds is not None]
+    assert graph and all(_launches(v)[0].kwargs["DYNAMIC_SPLITS"] for v in graph)
 
 
 @triton.jit

@@ -13,7 +13,10 @@ them. With splits (flash-decoding), split ``s`` takes its share of those tiles a
 writes an unnormalised partial result that ``reduce_kernel`` merges: an even share
 of the visited tiles (``tiles_per_split = 0``), or the fixed key range
 ``[s, s + 1) * tiles_per_split * TILE_N`` of the sequence, which makes a row's
-arithmetic independent of the rest of the batch (the batch-invariant mode).
+arithmetic independent of the rest of the batch (the batch-invariant mode). With
+``DYNAMIC_SPLITS`` (a CUDA-graph plan) the split count is read from ``NumSplits`` on
+the device, written by each step's build: the grid's split axis is the most the
+reservation allows, and the splits past the step's count exit at once.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
+    NumSplits,  # [1] int32: this step's split count (DYNAMIC_SPLITS)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
     softcap,
@@ -197,6 +201,7 @@ def unified_attention_kernel(
     USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
+    DYNAMIC_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
@@ -208,7 +213,12 @@ def unified_attention_kernel(
     q_block_global = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    if DYNAMIC_SPLITS:
+        num_splits = tl.load(NumSplits)
+        if split >= num_splits:
+            return
+    else:
+        num_splits = tl.num_programs(2)
 
     seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)

@@ -25,6 +25,7 @@ from pagedkv.backends.triton.configs import (
     check_forced_splits,
     plan_step,
     reduce_warps,
+    step_splits,
 )
 from pagedkv.backends.triton.gluon_plan import (
     GluonPrefillStep,
@@ -65,6 +66,9 @@ class TritonMetadata(BackendMetadata):
     # the Gluon sm_90 prefill kernel's launch for this step, when it runs it (the impl
     # falls back to ``parts`` for a cache TMA cannot read)
     gluon: GluonPrefillStep | None = None
+    # this step's split count under a CUDA-graph plan that chooses it per step (the
+    # kernels read it from the device; ``parts`` hold the most the plan allows)
+    step_splits: int | None = None
 
     @property
     def plan(self) -> TilePlan:
@@ -85,6 +89,9 @@ class TritonMetadata(BackendMetadata):
     def describe(self) -> str:
         if self.gluon is not None:
             return f"Gluon sm_90 prefill, {self.gluon.kwargs['TILE_N']}-key tiles"
+        if self.step_splits is not None:
+            plan = self.parts[0].plan
+            return f"{plan.tile}, {self.step_splits} of at most {plan.num_splits} split(s)"
         return ", ".join(
             f"requests {p.first}-{p.end - 1}: {p.plan.tile}, {p.plan.num_splits} split(s)"
             for p in self.parts
@@ -143,8 +150,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             stat_max = self.scratch("partial_max", shape, torch.float32)
             stat_sum = self.scratch("partial_sum", shape, torch.float32)
         partials = (acc, stat_max, stat_sum)
+        chosen, num_splits = None, unused
+        if parts[0].plan.dynamic_splits:
+            # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
+            # written where the captured kernels read them
+            chosen = step_splits(layer, StepShape.of(common), parts[0].plan, self.num_sms)
+            num_splits = self.scratch("num_splits", (1,), torch.int32)
+            num_splits.copy_(torch.tensor([chosen], dtype=torch.int32), non_blocking=True)
         launches = tuple(
-            self._part_launches(common, part, partials, len(parts) == 1) for part in parts
+            self._part_launches(common, part, partials, len(parts) == 1, num_splits)
+            for part in parts
         )
         gluon = None
         if (
@@ -157,7 +172,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # a prefill or chunked-prefill step (whole 128-row tiles, no split); steps
             # with decodes keep the portable kernel, whose parts fit them
             gluon = plan_gluon_prefill(s, common)
-        return TritonMetadata(common, layer, launches, gluon)
+        return TritonMetadata(common, layer, launches, gluon, chosen)
 
     def _part_launches(
         self,
@@ -165,6 +180,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         part: StepPart,
         partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         whole: bool,
+        num_splits: torch.Tensor,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (views from
         its first request on) and its grid."""
@@ -202,6 +218,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 QueryStartLoc=qsl,
                 Sinks=unused,
                 AlibiSlopes=unused,
+                NumSplits=num_splits,
                 num_seqs=num_reqs,
                 tiles_per_split=plan.tiles_per_split,
                 stride_bt=table.stride(0),
@@ -218,6 +235,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 BLOCK_Q=plan.block_q,
                 TILE_N=t.tile_n,
                 SPLIT=plan.split,
+                DYNAMIC_SPLITS=plan.dynamic_splits,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,
                 num_stages=t.num_stages,
@@ -235,6 +253,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     PartSum=stat_sum,
                     Sinks=unused,
                     QueryStartLoc=qsl,
+                    NumSplits=num_splits,
                     num_seqs=num_reqs,
                     num_splits=plan.num_splits,
                     stride_pt=acc_strides[0],
@@ -246,6 +265,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     HEAD_PAD=layer.head_pad,
                     SPLIT_PAD=split_pad,
                     ORDERED=plan.ordered_reduction,
+                    DYNAMIC_SPLITS=plan.dynamic_splits,
                     num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
                 ),
             )

@@ -227,6 +227,9 @@ class TilePlan:
     split: bool  # partial results + reduction (num_splits > 1, or batch-invariant)
     tiles_per_split: int  # 0: even shares of the visited tiles; > 0: fixed key ranges
     ordered_reduction: bool  # merge the splits one by one, in order
+    # a CUDA-graph plan whose split count each step chooses (``step_splits``), at most
+    # ``num_splits`` (the grid's split axis and the partials' width)
+    dynamic_splits: bool = False
 
 
 # -- rows ------------------------------------------------------------------------------
@@ -509,9 +512,37 @@ def plan_tiles(
             0, step.max_query_len, step.max_seq_len, num_sms, forced=forced_splits,
             granule=tile.tile_n,
         )  # fmt: skip
+    elif bounded and step.max_query_len <= SPLIT_POLICY.max_query_len:
+        # decode-like steps within the bounds: each step chooses its own splits, up to
+        # what the most-splitting of them takes (one request of the longest sequence)
+        most = graph_split_limit(layer, step, tile, block_q, num_sms)
+        return TilePlan(tile, block_q, most, most > 1, 0, False, dynamic_splits=most > 1)
     else:
         choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded)
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
+
+
+def graph_split_limit(
+    layer: LayerShape, bounds: StepShape, tile: TileConfig, block_q: int, num_sms: int
+) -> int:
+    """The most splits any decode-like step within CUDA-graph bounds (``bounds``: the
+    bounds as a step, ``StepShape.of_bounds``) may choose: those of one request of the
+    longest sequence, as far as the partials of the bounds' every token stay within
+    ``LONG_QUERY_SPLIT_BYTES``."""
+    one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
+    most = makespan_splits(layer, one, tile, block_q, num_sms).num_splits
+    tokens = int(bounds.query_lens.sum())
+    split_bytes = tokens * layer.num_heads * (layer.head_pad + 2) * 4
+    return max(1, min(most, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes)))
+
+
+def step_splits(layer: LayerShape, step: StepShape, plan: TilePlan, num_sms: int) -> int:
+    """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
+    rule over the step's own requests, with the plan's tile, at most the plan's width."""
+    choice = makespan_splits(
+        layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits
+    )
+    return choice.num_splits
 
 
 def program_keys(layer: LayerShape, step: StepShape, block_q: int) -> np.ndarray:
@@ -542,20 +573,23 @@ def makespan_splits(
     num_sms: int,
     *,
     bounded: bool = False,
+    max_splits: int | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
-    programs an SM holds of it. Decode-like steps may split up to the policy's maximum;
-    longer queries (chunked prefills) too, as far as their partial results stay within
-    ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
-    sized for decode-like steps)."""
+    programs an SM holds of it. Decode-like steps may split up to the policy's maximum
+    (or ``max_splits``); longer queries (chunked prefills) too, as far as their partial
+    results stay within ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph
+    reservation (its scratch is sized for decode-like steps)."""
     tokens = int(step.query_lens.sum())
     split_bytes = tokens * layer.num_heads * (layer.head_pad + 2) * 4  # per split
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
-        max_splits = SPLIT_POLICY.max_splits
+        limit = SPLIT_POLICY.max_splits
     elif bounded:
-        max_splits = 1
+        limit = 1
     else:
-        max_splits = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
+        limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
+    if max_splits is not None:
+        limit = min(limit, max_splits)
     slots = programs_per_sm(layer, tile) * num_sms
     # the reduction writes and reads each split's partials once, in the time the
     # grid's slots stream this many keys
@@ -566,7 +600,7 @@ def makespan_splits(
         granule=tile.tile_n,
         overhead_keys=PROGRAM_OVERHEAD_KEYS,
         merge_keys_per_split=2 * split_bytes / key_bytes,
-        max_splits=max_splits,
+        max_splits=limit,
         copies=layer.num_kv_heads,
     )
 

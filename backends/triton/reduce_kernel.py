@@ -3,7 +3,9 @@
 Grid ``(T, Hq)`` over the tokens of the launch's requests: one program per (token, query head) rescales each split's
 unnormalised accumulator by exp2(max_s - max) and divides by the merged
 denominator, to which the attention sink (if any) contributes its own term.
-Padding tokens (past query_start_loc[num_seqs]) are skipped.
+Padding tokens (past query_start_loc[num_seqs]) are skipped. With ``DYNAMIC_SPLITS``
+the split count is read from ``NumSplits`` on the device (a CUDA-graph plan, whose
+count changes from step to step within the partials' width).
 
 ``ORDERED`` merges split by split, in split order: a row's sums then see the same
 terms in the same order whatever the number of splits of the launch (splits past a
@@ -30,6 +32,7 @@ def reduce_splits_kernel(
     PartSum,  # [T, Hq, splits] fp32
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
+    NumSplits,  # [1] int32 (DYNAMIC_SPLITS)
     num_seqs,
     num_splits,
     stride_ot,
@@ -44,6 +47,7 @@ def reduce_splits_kernel(
     SPLIT_PAD: tl.constexpr,
     USE_SINKS: tl.constexpr,
     ORDERED: tl.constexpr,
+    DYNAMIC_SPLITS: tl.constexpr,
 ):
     # a launch over a part of the step: its tokens start at its first request's
     token = tl.program_id(0) + tl.load(QueryStartLoc)
@@ -51,6 +55,8 @@ def reduce_splits_kernel(
     if token >= tl.load(QueryStartLoc + num_seqs):
         return
     token = token.to(tl.int64)
+    if DYNAMIC_SPLITS:
+        num_splits = tl.load(NumSplits)
     dims = tl.arange(0, HEAD_PAD)
     stat = token * stride_mt + head * stride_mh
     part = PartAcc + token * stride_pt + head * stride_ph + dims
