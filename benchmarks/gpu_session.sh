@@ -214,6 +214,18 @@ for section in "$@"; do
       run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
       wait
       ;;
+    triton-graphs)  # the triton backend's CUDA-graph plans (per-step splits): GPU tests and
+      # full conformance, concurrently
+      run triton-gpu-tests $PY -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+        tests/test_serving_graphs.py tests/test_triton_batch_invariance.py -k "not sweep" &
+      conform triton full &
+      wait
+      ;;
+    sweep)  # the Triton tile sweep (docs/triton.md); SWEEP_WORKLOADS, SWEEP_ARGS select
+      run sweep $PY benchmarks/triton_sweep.py --workloads "${SWEEP_WORKLOADS:-decode-256x1024}" \
+        ${SWEEP_ARGS:-} --json "$OUT/sweep.json"
+      tail -n 60 "$OUT/sweep.log"
+      ;;
     convert)
       run convert $PY benchmarks/convert_throughput.py --json "$OUT/convert.json"
       tail -n 20 "$OUT/convert.log"
