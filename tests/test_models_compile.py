@@ -29,8 +29,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[(5 * i + j) % 200 for j in range(6 + 11 * i)] for i in range(3)]
 
 
-def _generate(model, backend: str = "torch") -> list:
-    config = EngineConfig(backend=backend, max_model_len=64, max_num_batched_tokens=16)
+def _generate(model, backend: str = "torch", device: str = "cpu") -> list:
+    config = EngineConfig(
+        backend=backend, device=device, max_model_len=64, max_num_batched_tokens=16
+    )
     params = [SamplingParams(max_tokens=5, return_logits=True)] * 2
     params.append(SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=1, return_logits=True))
     return Engine(model, config).generate(PROMPTS, params)
@@ -67,11 +69,14 @@ def _counting_compiles() -> dict:
     ],
 )
 def test_a_compiled_model_equals_the_eager_one(name, backend, graphs):
+    # on a GPU host the Triton kernels (mla) run on the GPU: its CPU needs the
+    # interpreter, which is off there
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     counters = _counting_compiles()
-    eager = _generate(load_model(name), backend)
-    model = load_model(name, compile="aot_eager")
+    eager = _generate(load_model(name, device=device), backend, device)
+    model = load_model(name, device=device, compile="aot_eager")
     assert model.compiled_layers is model.model.model.layers
-    compiled = _generate(model, backend)
+    compiled = _generate(model, backend, device)
     assert not counters["graph_break"], "attention must stay one op"
     assert counters["stats"]["unique_graphs"] == graphs
     _assert_same(eager, compiled)

@@ -179,6 +179,8 @@ def _launches(variant: Variant) -> list[KernelLaunch]:
         graph_support=backend.capabilities.graph_support,
         **backend.options,
     )
+    # compiled for sm_90, where a split launch's reduction is a programmatic dependent
+    builder.programmatic = True
     if variant.bounds is not None:
         builder.reserve_cuda_graph(variant.bounds)
     metadata = builder.build(problem.common, tile=variant.tile, num_splits=variant.num_splits)
@@ -253,6 +255,9 @@ def test_the_matrix_covers_the_rule():
         assert part in labels, part
     graph = [v for v in VARIANTS if v.bounds is not None]
     assert graph and all(_launches(v)[0].kwargs["DYNAMIC_SPLITS"] for v in graph)
+    split = _launches(next(v for v in VARIANTS if v.label == "split2"))
+    assert split[0].kwargs["LAUNCH_DEPENDENTS"]
+    assert split[1].kwargs["WAIT_FOR_PRIMARY"] and split[1].kwargs["launch_pdl"]
 
 
 @triton.jit

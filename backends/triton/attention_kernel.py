@@ -202,9 +202,14 @@ def unified_attention_kernel(
     USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
+    if LAUNCH_DEPENDENTS:
+        # the reduction (a programmatic dependent launch) may take free SMs now: it waits
+        # for this grid's end before it reads the partials
+        tl.extra.cuda.gdc_launch_dependents()
     # the last query blocks see the most keys: launch them first, so the final wave
     # of a causal prefill is made of short programs
     # (a launch over a part of the step gets its tensors from the part's first request

@@ -37,7 +37,7 @@ from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.intmath import next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.launch import KernelLaunch, programmatic_launch
 from pagedkv.toolkit.split_kv import num_sms
 
 
@@ -109,6 +109,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.batch_invariant = bool(options.get("batch_invariant"))
         self.layer = LayerShape.of(spec)
         self.num_sms = num_sms(self.device)
+        # a split launch's reduction starts during the attention kernel's last programs
+        # (programmatic dependent launch) where the GPU has it: a split decode is short,
+        # so the gap between the two kernels is a visible share of it
+        self.programmatic = programmatic_launch(self.device)
         # why prefill steps cannot run the Gluon sm_90 kernel here (None: they do)
         if self.batch_invariant:
             self.gluon_problem = "the batch-invariant mode keeps one kernel and tile per layer"
@@ -236,6 +240,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 TILE_N=t.tile_n,
                 SPLIT=plan.split,
                 DYNAMIC_SPLITS=plan.dynamic_splits,
+                LAUNCH_DEPENDENTS=self.programmatic and plan.split,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,
                 num_stages=t.num_stages,
@@ -266,7 +271,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     SPLIT_PAD=split_pad,
                     ORDERED=plan.ordered_reduction,
                     DYNAMIC_SPLITS=plan.dynamic_splits,
+                    WAIT_FOR_PRIMARY=self.programmatic,
                     num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
+                    # Triton's interpreter takes no launch_pdl
+                    **({"launch_pdl": True} if self.programmatic else {}),
                 ),
             )
         return PartLaunches(first, end, plan, attention, reduce)

@@ -3,7 +3,9 @@
 Grid ``(T, Hq)`` over the tokens of the launch's requests: one program per (token, query head) rescales each split's
 unnormalised accumulator by exp2(max_s - max) and divides by the merged
 denominator, to which the attention sink (if any) contributes its own term.
-Padding tokens (past query_start_loc[num_seqs]) are skipped. With ``DYNAMIC_SPLITS``
+Padding tokens (past query_start_loc[num_seqs]) are skipped. ``WAIT_FOR_PRIMARY``: the
+launch is a programmatic dependent of the attention kernel (sm_90+), which it may
+overlap until it needs the partials. With ``DYNAMIC_SPLITS``
 the split count is read from ``NumSplits`` on the device (a CUDA-graph plan, whose
 count changes from step to step within the partials' width).
 
@@ -48,6 +50,7 @@ def reduce_splits_kernel(
     USE_SINKS: tl.constexpr,
     ORDERED: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
+    WAIT_FOR_PRIMARY: tl.constexpr,
 ):
     # a launch over a part of the step: its tokens start at its first request's
     token = tl.program_id(0) + tl.load(QueryStartLoc)
@@ -57,6 +60,10 @@ def reduce_splits_kernel(
     token = token.to(tl.int64)
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
+    if WAIT_FOR_PRIMARY:
+        # launched as a programmatic dependent: the partials are complete only after this
+        # (what was read above was written before the attention kernel started)
+        tl.extra.cuda.gdc_wait()
     dims = tl.arange(0, HEAD_PAD)
     stat = token * stride_mt + head * stride_mh
     part = PartAcc + token * stride_pt + head * stride_ph + dims

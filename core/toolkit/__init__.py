@@ -14,8 +14,8 @@
   requests of one backend call, for any impl with ``attend_with_lse``.
 - ``pagedkv.toolkit.triton_lse_merge``: the Triton kernel behind the merge on CUDA
   (imports triton).
-- ``pagedkv.toolkit.launch``: a planned kernel launch with keyword arguments.
-- ``pagedkv.toolkit.triton_lse_merge``: the kernel merging partial results by log-sum-exp.
+- ``pagedkv.toolkit.launch``: a planned kernel launch with keyword arguments, and
+  whether a device takes programmatic dependent launches.
 - ``pagedkv.toolkit.numerics``: constants shared by every kernel language (``LOG2E``).
 
 Nothing here is imported by ``import pagedkv``; each module imports only what it needs.

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -30,3 +33,23 @@ def run_launches(launches: list[KernelLaunch]) -> Any:
         if i == 0:
             first = handle
     return first
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def programmatic_launch(device: torch.device | str) -> bool:
+    """Whether Triton kernels on ``device`` may be launched as programmatic dependents
+    (``launch_pdl=True``): compiled (not interpreted) on an sm_90 or newer GPU. Such a
+    launch may start while the kernel before it finishes its last programs, so it must
+    call ``tl.extra.cuda.gdc_wait()`` before reading what that kernel wrote; the kernel
+    before it lets it start early with ``gdc_launch_dependents()``."""
+    from pagedkv.toolkit.interpreter import interpreting
+
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
