@@ -81,9 +81,9 @@ REGISTERS_PER_KV_MASKED = 1.5
 TILE_N_CHOICES = (16, 32, 64, 128)
 # Memory-bound programs: K/V bytes of in-flight tiles per SM that saturate HBM. H200
 # decode 64 x 4096: 3 programs x 32 KiB (m16-n64, 5 stages) and 2 x 64 KiB (m16-n128, 2
-# stages) both ran at 96% of copy bandwidth, 4 x 16 KiB (m16-n32) 8% slower. Open: the
-# rule's m16-n64 at 2 stages, with one split, ran at 71% (366 us; pagedkv bench
-# 2026-12-01) — docs/benchmarks.md.
+# stages) both ran at 96% of copy bandwidth, 4 x 16 KiB (m16-n32) 8% slower. m16-n64 at
+# one split ran at 71% (364 us): unsplit, it takes 164 registers (3 programs per SM),
+# split 124 (4); the estimate knows only the first (open: docs/triton.md).
 BYTES_IN_FLIGHT_PER_SM = 96 * 1024
 # Compute-bound programs: fp32 score values per thread. H200 prefill 8 x 2048, D 128:
 # m64-n32-w4 (16 per thread) 1012 us against 1113 us for m128-n64-w8 (32).
