@@ -580,12 +580,22 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
         blocks = [list(range(1 + 20 * i, 1 + 20 * i + -(-s // 16))) for i, s in enumerate(seq_lens)]
         return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
 
-    assert builder.build(step([200, 150], [200, 100])).gluon is not None
-    assert builder.build(step([200, 150], [1, 1])).gluon is None  # decodes
-    assert builder.build(step([200, 300], [1, 100])).gluon is None  # two parts
-    assert builder.build(step([20, 24], [20, 24])).gluon is None  # no 128-row tile
+    def kernels(md) -> list[bool]:  # per part: the Gluon kernel?
+        return [part.gluon is not None for part in md.parts]
+
+    assert kernels(builder.build(step([200, 150], [200, 100]))) == [True]
+    assert kernels(builder.build(step([200, 150], [1, 1]))) == [False]  # decodes
+    # a mixed step: its decodes on the portable kernel, its chunk (a part of its own,
+    # numbered from its first request) on the Gluon kernel
+    mixed = builder.build(step([200, 300], [1, 100]))
+    assert kernels(mixed) == [False, True]
+    gluon = mixed.parts[1].gluon
+    assert gluon.kwargs["num_seqs"] == 1 and gluon.kwargs["QueryStartLoc"].tolist() == [1, 101]
+    assert gluon.grid == (101 // 32 - 1 // 32 + 1, spec.num_kv_heads)  # 32 queries a block
+    assert "requests 1-1: Gluon sm_90 prefill" in mixed.describe()
+    assert kernels(builder.build(step([20, 24], [20, 24]))) == [False]  # no 128-row tile
     tile = TileConfig(64, 32, 4, 2)
-    assert builder.build(step([200, 150], [200, 100]), tile=tile).gluon is None
+    assert kernels(builder.build(step([200, 150], [200, 100]), tile=tile)) == [False]
     invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, DEVICE)
     assert "batch-invariant" in invariant.gluon_problem
     portable = pagedkv.get_backend("triton", prefill_kernel="portable").make_builder(spec, DEVICE)

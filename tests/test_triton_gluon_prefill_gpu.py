@@ -102,6 +102,37 @@ def _cases() -> list[Scenario]:
 CASES = _cases()
 
 
+def _filled_cache(problem) -> torch.Tensor:
+    """The backend's cache, poisoned, holding every request's keys and values."""
+    spec = problem.spec
+    cache = BACKEND.allocate_kv_cache(problem.num_blocks, spec, "cuda")
+    poison_cache(BACKEND, cache, problem)
+    k_view, v_view = BACKEND.kv_cache_to_logical(cache, spec)
+    bs = spec.block_size
+    for ids, keys, values in zip(problem.block_ids, problem.keys, problem.values, strict=True):
+        pos = torch.arange(keys.shape[0])
+        blocks = torch.tensor(ids)[pos // bs]
+        k_view[blocks, pos % bs] = keys.to("cuda")
+        v_view[blocks, pos % bs] = values.to("cuda")
+    return cache
+
+
+def _assert_matches(scenario: Scenario, out: torch.Tensor, expected: torch.Tensor) -> None:
+    n = expected.shape[0]
+    actual = out[:n].double().cpu()
+    tol = TOLERANCES[scenario.dtype]
+    assert torch.isfinite(actual).all(), "NaN or inf in a request's rows"
+    excess = (actual - expected).abs() - (tol.atol + tol.rtol * expected.abs())
+    worst = torch.nonzero(excess == excess.max())[0].tolist()
+    assert excess.max() <= 0, (
+        f"{int((excess > 0).sum())} of {excess.numel()} values beyond atol={tol.atol}, "
+        f"rtol={tol.rtol}; worst at (token, head, dim) {worst}: got {actual[tuple(worst)]:.5f}, "
+        f"expected {expected[tuple(worst)]:.5f}"
+    )
+    # padding rows are no request's: never written
+    assert torch.isnan(out[n:]).all()
+
+
 def _run(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's output [T, Hq, D] on the GPU, the float64 reference [n, Hq, D])."""
     from pagedkv.backends.triton.gluon_plan import (
@@ -116,15 +147,8 @@ def _run(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
     spec = problem.spec
     assert gluon_prefill_problem(spec, "cuda") is None
     assert gluon_step_problem(problem.common, spec, num_splits=1) is None
-    cache = BACKEND.allocate_kv_cache(problem.num_blocks, spec, "cuda")
-    poison_cache(BACKEND, cache, problem)
+    cache = _filled_cache(problem)
     k_view, v_view = BACKEND.kv_cache_to_logical(cache, spec)
-    bs = spec.block_size
-    for ids, keys, values in zip(problem.block_ids, problem.keys, problem.values, strict=True):
-        pos = torch.arange(keys.shape[0])
-        blocks = torch.tensor(ids)[pos // bs]
-        k_view[blocks, pos % bs] = keys.to("cuda")
-        v_view[blocks, pos % bs] = values.to("cuda")
     step = plan_gluon_prefill(spec, problem.common)
     out = torch.full_like(problem.query, float("nan"))
     cache_args = gluon_cache_args(spec, k_view, v_view)
@@ -136,19 +160,53 @@ def _run(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("scenario", CASES, ids=[s.name for s in CASES])
 def test_matches_the_float64_reference(scenario):
     out, expected = _run(scenario)
-    n = expected.shape[0]
-    actual = out[:n].double().cpu()
-    tol = TOLERANCES[scenario.dtype]
-    assert torch.isfinite(actual).all(), "NaN or inf in a request's rows"
-    excess = (actual - expected).abs() - (tol.atol + tol.rtol * expected.abs())
-    worst = torch.nonzero(excess == excess.max())[0].tolist()
-    assert excess.max() <= 0, (
-        f"{int((excess > 0).sum())} of {excess.numel()} values beyond atol={tol.atol}, "
-        f"rtol={tol.rtol}; worst at (token, head, dim) {worst}: got {actual[tuple(worst)]:.5f}, "
-        f"expected {expected[tuple(worst)]:.5f}"
-    )
-    # padding rows are no request's: never written
-    assert torch.isnan(out[n:]).all()
+    _assert_matches(scenario, out, expected)
+
+
+# decodes first (as schedulers order them) or last, then chunks after context: two parts,
+# the decodes on the portable kernel (split), the chunks on the Gluon kernel
+MIXED = [
+    _scenario(
+        "decodes-then-chunks",
+        128,
+        16,
+        4,
+        torch.bfloat16,
+        num_heads=32,
+        num_kv_heads=8,
+        seq_lens=(300, 77, 1500, 2048, 1100, 4000),
+        query_lens=(1, 1, 1, 1024, 1024, 700),
+        num_padding_tokens=5,
+    ),
+    _scenario(
+        "chunks-then-decodes",
+        64,
+        32,
+        8,
+        torch.float16,
+        num_heads=64,
+        num_kv_heads=8,
+        seq_lens=(2048, 1500, 900, 33, 5000),
+        query_lens=(1024, 1500, 1, 1, 1),
+    ),
+]
+
+
+@pytest.mark.parametrize("scenario", MIXED, ids=[s.name for s in MIXED])
+def test_a_mixed_steps_chunks_take_the_gluon_kernel(scenario):
+    """Through the backend: the chunk part's launch is the Gluon kernel's over views of
+    the step from its first request on (its query blocks numbered from that request's)."""
+    problem = build_problem(scenario, "cuda")
+    cache = _filled_cache(problem)
+    metadata = BACKEND.make_builder(problem.spec, "cuda").build(problem.common)
+    kernels = [part.gluon is not None for part in metadata.parts]
+    assert sorted(kernels) == [False, True], metadata.describe()
+    out = torch.full_like(problem.query, float("nan"))
+    impl = BACKEND.make_impl(problem.spec)
+    for launch in impl.plan(problem.query, cache, metadata, out):
+        launch()
+    torch.cuda.synchronize()
+    _assert_matches(scenario, out, reference_output(problem))
 
 
 def test_the_same_step_gives_the_same_bits_twice():

@@ -10,6 +10,7 @@ so the plan (and the partials, from ``self.scratch``) is the same every step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ class PartLaunches:
     plan: TilePlan  # tiles and splits
     attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
     reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, Hq)
+    # the Gluon sm_90 prefill kernel's launch for this part, when it runs it (the impl
+    # falls back to ``attention`` for a cache TMA cannot read)
+    gluon: GluonPrefillStep | None = None
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,6 @@ class TritonMetadata(BackendMetadata):
 
     layer: LayerShape  # the layer shape the plan was made for
     parts: tuple[PartLaunches, ...]
-    # the Gluon sm_90 prefill kernel's launch for this step, when it runs it (the impl
-    # falls back to ``parts`` for a cache TMA cannot read)
-    gluon: GluonPrefillStep | None = None
     # this step's split count under a CUDA-graph plan that chooses it per step (the
     # kernels read it from the device; ``parts`` hold the most the plan allows)
     step_splits: int | None = None
@@ -87,15 +88,18 @@ class TritonMetadata(BackendMetadata):
         return max(p.plan.num_splits for p in self.parts)
 
     def describe(self) -> str:
-        if self.gluon is not None:
-            return f"Gluon sm_90 prefill, {self.gluon.kwargs['TILE_N']}-key tiles"
         if self.step_splits is not None:
             plan = self.parts[0].plan
             return f"{plan.tile}, {self.step_splits} of at most {plan.num_splits} split(s)"
-        return ", ".join(
-            f"requests {p.first}-{p.end - 1}: {p.plan.tile}, {p.plan.num_splits} split(s)"
-            for p in self.parts
-        )
+
+        def kernel(p: PartLaunches) -> str:
+            if p.gluon is not None:
+                return f"Gluon sm_90 prefill, {p.gluon.kwargs['TILE_N']}-key tiles"
+            return f"{p.plan.tile}, {p.plan.num_splits} split(s)"
+
+        if len(self.parts) == 1:
+            return kernel(self.parts[0])
+        return ", ".join(f"requests {p.first}-{p.end - 1}: {kernel(p)}" for p in self.parts)
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
@@ -161,22 +165,36 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             chosen = step_splits(layer, StepShape.of(common), parts[0].plan, self.num_sms)
             num_splits = self.scratch("num_splits", (1,), torch.int32)
             num_splits.copy_(torch.tensor([chosen], dtype=torch.int32), non_blocking=True)
+        whole = len(parts) == 1
         launches = tuple(
-            self._part_launches(common, part, partials, len(parts) == 1, num_splits)
+            dataclasses.replace(
+                self._part_launches(common, part, partials, whole, num_splits),
+                gluon=None if tile is not None else self._gluon_part(common, step, part, whole),
+            )
             for part in parts
         )
-        gluon = None
-        if (
-            self.gluon_problem is None
-            and tile is None
-            and len(parts) == 1
-            and not parts[0].plan.split
-            and gluon_step_problem(common, s, 1, max_query_len=step.max_query_len) is None
-        ):
-            # a prefill or chunked-prefill step (whole 128-row tiles, no split); steps
-            # with decodes keep the portable kernel, whose parts fit them
-            gluon = plan_gluon_prefill(s, common)
-        return TritonMetadata(common, layer, launches, gluon, chosen)
+        return TritonMetadata(common, layer, launches, chosen)
+
+    def _gluon_part(
+        self, common: CommonAttentionMetadata, step: StepShape, part: StepPart, whole: bool
+    ) -> GluonPrefillStep | None:
+        """The Gluon launch of a part of prefills or chunked prefills (whole 128-row
+        tiles), or None: decodes keep the portable kernel, whose small tiles fit them (a
+        mixed step's chunks take Gluon, its decodes the portable kernel). The Gluon
+        kernel does not split; a part the portable rule splits takes it only if its
+        programs (one per SM: it holds a whole SM) still cover every SM."""
+        if self.gluon_problem is not None:
+            return None
+        # a CUDA-graph plan (one part) decides from its bounds
+        longest = step.max_query_len if whole else step.part(part.first, part.end).max_query_len
+        if gluon_step_problem(common, self.spec, 1, max_query_len=longest) is not None:
+            return None
+        gluon = plan_gluon_prefill(
+            self.spec, common, requests=None if whole else (part.first, part.end)
+        )
+        if part.plan.split and gluon.grid[0] * gluon.grid[1] < self.num_sms:
+            return None
+        return gluon
 
     def _part_launches(
         self,

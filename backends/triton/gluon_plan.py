@@ -9,9 +9,11 @@ The contract, for the builder and the impl:
   Triton's interpreter). ``gluon_step_problem(common, spec, num_splits)`` says the same
   of one step (split-KV steps and steps whose longest query fills no 128-row tile go
   to the portable kernel).
-- ``plan_gluon_prefill(spec, common)`` (builder, once per step): a ``GluonPrefillStep``
+- ``plan_gluon_prefill(spec, common, requests=None)`` (builder, once per step or part
+  of a step): a ``GluonPrefillStep``
   holding the grid ``(T // BLOCK_Q + num_reqs, Hkv)`` (from the padded token count, as
-  the portable kernel's, so a CUDA-graph step keeps its grid) and the step's kwargs:
+  the portable kernel's, so a CUDA-graph step keeps its grid; a part's from its own
+  tokens and requests) and the step's kwargs:
   ``BlockTable``, ``SeqLens``, ``QueryStartLoc``, ``num_seqs``, ``stride_bt``, the
   tile constants and the launch options. No device sync, no allocation.
 - ``gluon_cache_args(spec, k_view, v_view)`` (impl, once per layer and cache tensor;
@@ -189,21 +191,32 @@ def plan_gluon_prefill(
     spec: AttentionSpec,
     common: CommonAttentionMetadata,
     *,
+    requests: tuple[int, int] | None = None,
     tile_n: int | None = None,
     stages: int | None = None,
 ) -> GluonPrefillStep:
-    """The step's part of the launch (a layer allowed by ``gluon_prefill_problem``).
+    """The step's part of the launch (a layer allowed by ``gluon_prefill_problem``), over
+    ``requests`` ``[first, end)`` of the step (default: all of them, padding included;
+    a part gets views from its first request on, and writes only its own rows).
     ``tile_n`` / ``stages`` override the head size's tiles (tuning)."""
     default_n, default_stages = tiles_for(spec.head_size)
     group = spec.num_queries_per_kv
     block_q = BLOCK_M // group
-    num_blocks_q = common.num_tokens // block_q + common.num_reqs
+    qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
+    first, end = requests if requests is not None else (0, common.num_reqs)
+    if (first, end) == (0, common.num_reqs):
+        num_blocks_q = common.num_tokens // block_q + common.num_reqs
+    else:
+        qsl, seq_lens, table = qsl[first:], seq_lens[first:], table[first:]
+        lo, hi = common.query_start_loc_cpu[[first, end]].tolist()
+        # blocks numbered from the part's first (kernel: query_start_loc[i] // BLOCK_Q + i)
+        num_blocks_q = hi // block_q - lo // block_q + (end - first)
     kwargs: dict[str, Any] = dict(
-        BlockTable=common.block_table,
-        SeqLens=common.seq_lens,
-        QueryStartLoc=common.query_start_loc,
-        num_seqs=common.num_reqs,
-        stride_bt=common.block_table.stride(0),
+        BlockTable=table,
+        SeqLens=seq_lens,
+        QueryStartLoc=qsl,
+        num_seqs=end - first,
+        stride_bt=table.stride(0),
         HEAD_SIZE=spec.head_size,
         BLOCK_SIZE=spec.block_size,
         GROUP=group,

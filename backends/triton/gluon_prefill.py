@@ -290,8 +290,11 @@ def gluon_prefill_kernel(
     BOX: gl.constexpr = KCache.block_type.shape[0]  # rows per TMA box: a page or part of one
     gl.static_assert((TILE_N % BOX == 0) and (BLOCK_SIZE % BOX == 0))
     # the last query blocks of a request see the most keys: launch them first, so the
-    # final wave of a causal prefill is made of short programs
-    q_block_global = gl.num_programs(0) - 1 - gl.program_id(0)
+    # final wave of a causal prefill is made of short programs (a launch over a part of
+    # the step gets its tensors from the part's first request on: its query blocks are
+    # numbered from that request's, like the whole step's)
+    first_block = gl.load(QueryStartLoc) // BLOCK_Q
+    q_block_global = first_block + gl.num_programs(0) - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
     seq = _find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
     q_start = gl.load(QueryStartLoc + seq)

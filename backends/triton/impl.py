@@ -83,10 +83,19 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         if qs[2] != 1 or os_[2] != 1:
             name = "query" if qs[2] != 1 else "output"
             raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
-        if md.gluon is not None:
+        # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
+        gluon_cache = None
+        if any(part.gluon is not None for part in md.parts):
             gluon_cache = self._gluon_cache_args(kv_cache)
-            if gluon_cache is not None:
-                return [md.gluon.launch(query, output, self._gluon_layer_args, gluon_cache)]
+        launches, portable = [], []
+        for part in md.parts:
+            if part.gluon is not None and gluon_cache is not None:
+                layer = self._gluon_layer_args
+                launches.append(part.gluon.launch(query, output, layer, gluon_cache))
+            else:
+                portable.append(part)
+        if not portable:
+            return launches
         attention_args, reduce_args = self._layer_args(query.device)
         k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
         layer_args = {
@@ -102,8 +111,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             "stride_oh": os_[1],
         }
         out_args = {**reduce_args, "Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
-        launches = []
-        for part in md.parts:
+        for part in portable:
             t = part.attention
             launches.append(KernelLaunch(t.kernel, t.grid, {**t.kwargs, **layer_args}))
             r = part.reduce
