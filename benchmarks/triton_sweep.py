@@ -4,13 +4,17 @@
     python benchmarks/triton_sweep.py --workloads decode-64x4096 --quick --json sweep.json
     python benchmarks/triton_sweep.py --num-heads 64 --head-size 256 --block-size 32
     python benchmarks/triton_sweep.py --plan-overhead      # host time per forward (CPU too)
+    python benchmarks/triton_sweep.py --quick --all-splits --workloads decode-4x32k,ragged-decode-128
 
 For each workload it times the unified kernel (and the reduction, when split)
 through the backend's own builder and impl, overriding the tiles and the split
 count: first every candidate tile (the rule's rows and their neighbours) at the
 split count the rule chooses, then every split count with the best tile. All
 variants are compiled up front in parallel processes (into Triton's on-disk cache),
-so the timing loop only loads them. Prints one table per workload (best first), how
+so the timing loop only loads them (``--all-splits``: every tile at every split count).
+Each trial also records the compiled attention kernel's registers (ptxas) and the
+programs an SM holds of it, which the rule's register estimate stands for. Prints one
+table per workload (best first), how
 far the rule's choice is from the best, and the rule's view of the workload (rows,
 memory- or compute-bound): what the constants of ``backends/triton/configs.py`` are
 calibrated against (docs/triton.md lists them).
@@ -37,6 +41,7 @@ import pagedkv
 import torch
 from pagedkv.backends.triton.configs import (
     BLOCK_M_CHOICES,
+    REGISTERS_PER_SM,
     TILE_N_CHOICES,
     LayerShape,
     StepShape,
@@ -50,6 +55,7 @@ from pagedkv.bench.timing import copy_bandwidth, time_us
 from pagedkv.bench.workloads import DTYPES, MATRICES
 
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+SM90_SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, the reserved KiBs included
 
 
 @dataclass
@@ -62,6 +68,10 @@ class Trial:
     tflops: float | None = None
     chosen: bool = False  # what the rule picks
     error: str = ""
+    # the compiled attention kernel: registers per thread (ptxas) and the programs one SM
+    # holds of it, by registers and shared memory (what the rule's estimate stands for)
+    registers: int | None = None
+    programs_per_sm: int | None = None
 
 
 # the rows of `pagedkv bench --matrix standard`
@@ -104,14 +114,30 @@ class Bench:
         md = self.builder.build(self.problem.common, tile=tile, num_splits=splits)
         return self.impl.plan(self.problem.query, self.cache, md, self.out)
 
-    def time(self, tile: TileConfig, splits: int) -> float:
+    def time(self, tile: TileConfig, splits: int) -> tuple[float, int | None, int | None]:
+        """Microseconds, and the attention kernel's registers and programs per SM."""
         launches = self.launches(tile, splits)
+        compiled = launches[0]()  # the attention kernel (Triton returns the compiled one)
+        registers, per_sm = occupancy(compiled, tile.num_warps)
 
         def run() -> None:
             for launch in launches:
                 launch()
 
-        return time_eager_us(run)
+        return time_eager_us(run), registers, per_sm
+
+
+def occupancy(compiled, num_warps: int) -> tuple[int | None, int | None]:
+    """(registers per thread, programs per SM) of a compiled Triton kernel on sm_90:
+    registers are allocated in 8s per thread, shared memory per program plus the 1 KiB
+    the SM reserves for each."""
+    registers = getattr(compiled, "n_regs", None)
+    metadata = getattr(compiled, "metadata", None)
+    if not registers or metadata is None:
+        return None, None
+    by_registers = REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * num_warps)
+    by_shared = SM90_SHARED_PER_SM // (metadata.shared + 1024)
+    return registers, min(by_registers, by_shared, 2048 // (32 * num_warps))
 
 
 def _warm(job: tuple) -> str:
@@ -177,7 +203,9 @@ def candidate_splits(problem: Problem) -> list[int]:
     return [n for n in SPLITS if n == 1 or max(w.seq_lens) // n >= 256]
 
 
-def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
+def sweep(
+    bench: Bench, tiles: list[TileConfig], copy_bw: float, all_splits: bool = False
+) -> list[Trial]:
     problem = bench.problem
     name = problem.workload.name
     default_tile, default_splits = bench.default
@@ -186,7 +214,7 @@ def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
     def trial(tile: TileConfig, splits: int) -> Trial:
         t = Trial(name, str(tile), splits, chosen=(tile, splits) == bench.default)
         try:
-            t.us = bench.time(tile, splits)
+            t.us, t.registers, t.programs_per_sm = bench.time(tile, splits)
             t.pct_copy = 100 * problem.io_bytes() / (t.us * 1e-6) / copy_bw
             t.tflops = problem.flops() / (t.us * 1e-6) / 1e12
         except Exception as exc:
@@ -198,6 +226,13 @@ def sweep(bench: Bench, tiles: list[TileConfig], copy_bw: float) -> list[Trial]:
         )
         return t
 
+    if all_splits:  # every tile at every split count (data to fit the split rule to)
+        for tile in tiles:
+            for splits in dict.fromkeys([default_splits, *candidate_splits(problem)]):
+                trials.append(trial(tile, splits))
+        if default_tile not in tiles:
+            trials.append(trial(default_tile, default_splits))
+        return trials
     for tile in tiles:
         trials.append(trial(tile, default_splits))
     timed = [t for t in trials if t.us is not None]
@@ -218,14 +253,17 @@ def print_report(trials: list[Trial], benches: dict[str, Bench]) -> None:
         bench = benches[name]
         bound = "memory" if bench.memory_bound else "compute"
         print(f"== {name} (rule: {bench.block_m} rows, {bound}-bound)")
-        print(f"{'tile':<18} {'splits':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8}")
+        print(
+            f"{'tile':<18} {'splits':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8} {'regs':>5} {'/SM':>4}"
+        )
         for t in rows[:12]:
             if t.us is None:
                 print(f"{t.tile:<18} {t.num_splits:>6} ERROR {t.error}")
                 continue
             mark = "  <- the rule's choice" if t.chosen else ""
             print(
-                f"{t.tile:<18} {t.num_splits:>6} {t.us:9.1f} {t.pct_copy:6.1f} {t.tflops:8.1f}{mark}"
+                f"{t.tile:<18} {t.num_splits:>6} {t.us:9.1f} {t.pct_copy:6.1f} {t.tflops:8.1f}"
+                f" {t.registers or '-':>5} {t.programs_per_sm or '-':>4}{mark}"
             )
         chosen = [t for t in rows if t.chosen and t.us]
         if chosen and rows[0].us:
@@ -279,6 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--quick", action="store_true", help="the rule's rows only, 2 stages")
+    p.add_argument(
+        "--all-splits",
+        action="store_true",
+        help="every candidate tile at every split count (default: the splits with the best tile)",
+    )
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--json", help="write every trial here")
     p.add_argument("--plan-overhead", action="store_true", help="host time per forward only")
@@ -321,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     precompile(jobs, args.jobs)
     trials = []
     for n, bench in benches.items():
-        trials += sweep(bench, tiles[n], copy_bw)
+        trials += sweep(bench, tiles[n], copy_bw, args.all_splits)
     print_report(trials, benches)
     if args.json:
         with open(args.json, "w") as f:
