@@ -594,6 +594,14 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
     assert gluon.grid == (101 // 32 - 1 // 32 + 1, spec.num_kv_heads)  # 32 queries a block
     assert "requests 1-1: Gluon sm_90 prefill" in mixed.describe()
     assert kernels(builder.build(step([20, 24], [20, 24]))) == [False]  # no 128-row tile
+    # speculative queries that fill a tile at GQA 16 (8 tokens x 16 heads) keep their
+    # split portable plan, even with enough programs for every SM
+    wide = pagedkv.get_backend("triton").make_builder(
+        spec.replace(num_heads=32, num_kv_heads=2), DEVICE
+    )
+    wide.gluon_problem, wide.num_sms = None, 16
+    speculative = wide.build(step([8000] * 8, [8] * 8))
+    assert speculative.plan.split and kernels(speculative) == [False]
     tile = TileConfig(64, 32, 4, 2)
     assert kernels(builder.build(step([200, 150], [200, 100]), tile=tile)) == [False]
     invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, DEVICE)

@@ -18,6 +18,7 @@ import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
+    SPLIT_POLICY,
     LayerShape,
     StepPart,
     StepShape,
@@ -181,8 +182,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         """The Gluon launch of a part of prefills or chunked prefills (whole 128-row
         tiles), or None: decodes keep the portable kernel, whose small tiles fit them (a
         mixed step's chunks take Gluon, its decodes the portable kernel). The Gluon
-        kernel does not split; a part the portable rule splits takes it only if its
-        programs (one per SM: it holds a whole SM) still cover every SM."""
+        kernel does not split; a part the portable rule splits takes it only if it is
+        not decode-like (speculative queries filling a tile at GQA 16 keep their splits)
+        and its programs (one per SM: it holds a whole SM) still cover every SM."""
         if self.gluon_problem is not None:
             return None
         # a CUDA-graph plan (one part) decides from its bounds
@@ -192,7 +194,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         gluon = plan_gluon_prefill(
             self.spec, common, requests=None if whole else (part.first, part.end)
         )
-        if part.plan.split and gluon.grid[0] * gluon.grid[1] < self.num_sms:
+        if part.plan.split and (
+            longest <= SPLIT_POLICY.max_query_len  # decode-like: keep its splits
+            or gluon.grid[0] * gluon.grid[1] < self.num_sms
+        ):
             return None
         return gluon
 
