@@ -342,19 +342,23 @@ def test_forced_splits_option_is_checked():
 # -- CUDA-graph bounds (the mechanics, runnable on a CPU) ------------------------------------
 
 
+def _reserved(bounds: GraphBounds, num_blocks: int, **options):
+    """A builder reserved for ``bounds``, an eager one, the impl and a random cache, for
+    a small fp16 layer (Hq 4, Hkv 2, D 32)."""
+    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
+    backend = pagedkv.get_backend("triton", **options)
+    builder = backend.make_builder(spec, DEVICE)
+    builder.reserve_cuda_graph(bounds)
+    cache = backend.allocate_kv_cache(num_blocks, spec, DEVICE)
+    cache.normal_()
+    return builder, backend.make_builder(spec, DEVICE), backend.make_impl(spec), cache
+
+
 def test_reserved_builds_keep_one_plan_and_their_buffers():
     """Under a reservation every step gets the same plan and the same buffers (the step
     arrays and the split partials), and attends as an eager step does."""
-    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
-    backend = pagedkv.get_backend("triton", num_splits=3)
-    builder = backend.make_builder(spec, DEVICE)
-    builder.reserve_cuda_graph(
-        GraphBounds(max_num_reqs=4, max_num_tokens=6, max_blocks_per_req=8, max_query_len=3)
-    )
-    impl = backend.make_impl(spec)
-    cache = backend.allocate_kv_cache(40, spec, DEVICE)
-    cache.normal_()
-    eager_builder = backend.make_builder(spec, DEVICE)
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=6, max_blocks_per_req=8, max_query_len=3)
+    builder, eager_builder, impl, cache = _reserved(bounds, 40, num_splits=3)
     gen = torch.Generator().manual_seed(0)
     seen = None
     for seq_lens, query_lens, blocks in (
@@ -380,16 +384,8 @@ def test_reserved_decode_steps_choose_their_own_splits():
     step within the bounds may take, and each step's own split count is written where
     the kernels read it: a lone long request splits, a full batch of short ones does
     not, and both attend as eager steps do."""
-    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
-    backend = pagedkv.get_backend("triton")
-    builder = backend.make_builder(spec, DEVICE)
-    builder.reserve_cuda_graph(
-        GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=160, max_query_len=1)
-    )
-    impl = backend.make_impl(spec)
-    cache = backend.allocate_kv_cache(200, spec, DEVICE)
-    cache.normal_()
-    eager_builder = backend.make_builder(spec, DEVICE)
+    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=160, max_query_len=1)
+    builder, eager_builder, impl, cache = _reserved(bounds, 200)
     gen = torch.Generator().manual_seed(0)
     seen, chosen, first = None, [], None
     for seq_lens, blocks in (

@@ -10,7 +10,6 @@ so the plan (and the partials, from ``self.scratch``) is the same every step.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from pagedkv.backends.triton.gluon_plan import (
     gluon_step_problem,
     plan_gluon_prefill,
 )
+from pagedkv.backends.triton.parts import part_views
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.intmath import next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
@@ -168,8 +168,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_splits.copy_(torch.tensor([chosen], dtype=torch.int32), non_blocking=True)
         whole = len(parts) == 1
         launches = tuple(
-            dataclasses.replace(
-                self._part_launches(common, part, partials, whole, num_splits),
+            self._part_launches(
+                common,
+                part,
+                partials,
+                whole,
+                num_splits,
                 gluon=None if tile is not None else self._gluon_part(common, step, part, whole),
             )
             for part in parts
@@ -208,25 +212,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         whole: bool,
         num_splits: torch.Tensor,
+        gluon: GluonPrefillStep | None,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (views from
-        its first request on) and its grid."""
+        its first request on) and its grid; ``gluon``: its Gluon launch, if it takes one."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
-        first, end = part.first, part.end
-        num_reqs = end - first
-        qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
-        if whole:
-            # the whole (maybe padded) step: every request and token row may hold a query
-            # (a CUDA-graph plan's StepShape sees the bounds, not the requests)
-            first, end = 0, common.num_reqs
-            num_reqs, num_tokens = end, common.num_tokens
-            query_blocks = num_tokens // plan.block_q + num_reqs
-        else:
-            qsl, seq_lens, table = qsl[first:], seq_lens[first:], table[first:]
-            bounds = common.query_start_loc_cpu[[first, end]].tolist()
-            num_tokens = bounds[1] - bounds[0]
-            # blocks numbered from the part's first (kernel: query_start_loc[i] // BLOCK_Q + i)
-            query_blocks = bounds[1] // plan.block_q - bounds[0] // plan.block_q + num_reqs
+        views = part_views(common, None if whole else (part.first, part.end), plan.block_q)
+        qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
+        num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
         acc, stat_max, stat_sum = partials
         acc_strides = acc.stride() if plan.split else (0, 0, 0)
         stat_strides = stat_max.stride() if plan.split else (0, 0)
@@ -300,4 +293,5 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     **({"launch_pdl": True} if self.programmatic else {}),
                 ),
             )
-        return PartLaunches(first, end, plan, attention, reduce)
+        first, end = (0, common.num_reqs) if whole else (part.first, part.end)
+        return PartLaunches(first, end, plan, attention, reduce, gluon)

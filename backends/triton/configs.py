@@ -522,6 +522,12 @@ def plan_tiles(
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
 
 
+def partial_bytes_per_split(layer: LayerShape, tokens: int) -> int:
+    """The partial results one split of ``tokens`` query rows writes: an fp32
+    accumulator of the padded head size, a running max and a denominator per head."""
+    return tokens * layer.num_heads * (layer.head_pad + 2) * 4
+
+
 def graph_split_limit(
     layer: LayerShape, bounds: StepShape, tile: TileConfig, block_q: int, num_sms: int
 ) -> int:
@@ -531,8 +537,7 @@ def graph_split_limit(
     ``LONG_QUERY_SPLIT_BYTES``."""
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
     most = makespan_splits(layer, one, tile, block_q, num_sms).num_splits
-    tokens = int(bounds.query_lens.sum())
-    split_bytes = tokens * layer.num_heads * (layer.head_pad + 2) * 4
+    split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
     return max(1, min(most, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes)))
 
 
@@ -580,8 +585,7 @@ def makespan_splits(
     (or ``max_splits``); longer queries (chunked prefills) too, as far as their partial
     results stay within ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph
     reservation (its scratch is sized for decode-like steps)."""
-    tokens = int(step.query_lens.sum())
-    split_bytes = tokens * layer.num_heads * (layer.head_pad + 2) * 4  # per split
+    split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits
     elif bounded:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pagedkv.backends.triton.parts import part_views
 from pagedkv.errors import UnsupportedError
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
@@ -202,21 +203,13 @@ def plan_gluon_prefill(
     default_n, default_stages = tiles_for(spec.head_size)
     group = spec.num_queries_per_kv
     block_q = BLOCK_M // group
-    qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
-    first, end = requests if requests is not None else (0, common.num_reqs)
-    if (first, end) == (0, common.num_reqs):
-        num_blocks_q = common.num_tokens // block_q + common.num_reqs
-    else:
-        qsl, seq_lens, table = qsl[first:], seq_lens[first:], table[first:]
-        lo, hi = common.query_start_loc_cpu[[first, end]].tolist()
-        # blocks numbered from the part's first (kernel: query_start_loc[i] // BLOCK_Q + i)
-        num_blocks_q = hi // block_q - lo // block_q + (end - first)
+    views = part_views(common, requests, block_q)
     kwargs: dict[str, Any] = dict(
-        BlockTable=table,
-        SeqLens=seq_lens,
-        QueryStartLoc=qsl,
-        num_seqs=end - first,
-        stride_bt=table.stride(0),
+        BlockTable=views.block_table,
+        SeqLens=views.seq_lens,
+        QueryStartLoc=views.query_start_loc,
+        num_seqs=views.num_reqs,
+        stride_bt=views.block_table.stride(0),
         HEAD_SIZE=spec.head_size,
         BLOCK_SIZE=spec.block_size,
         GROUP=group,
@@ -228,7 +221,7 @@ def plan_gluon_prefill(
         num_warps=NUM_WARPS,
         maxnreg=MAX_NREG,
     )
-    return GluonPrefillStep((num_blocks_q, spec.num_kv_heads), kwargs)
+    return GluonPrefillStep((views.query_blocks, spec.num_kv_heads), kwargs)
 
 
 # -- the layer's cache ------------------------------------------------------------------------
