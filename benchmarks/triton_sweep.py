@@ -41,7 +41,6 @@ import pagedkv
 import torch
 from pagedkv.backends.triton.configs import (
     BLOCK_M_CHOICES,
-    REGISTERS_PER_SM,
     TILE_N_CHOICES,
     LayerShape,
     StepShape,
@@ -53,9 +52,9 @@ from pagedkv.bench.problem import build_problem as build_bench_problem
 from pagedkv.bench.problem import fill_cache
 from pagedkv.bench.timing import copy_bandwidth, time_us
 from pagedkv.bench.workloads import DTYPES, MATRICES
+from pagedkv.toolkit.launch import kernel_fit
 
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-SM90_SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, the reserved KiBs included
 
 
 @dataclass
@@ -128,22 +127,22 @@ class Bench:
 
 
 def occupancy(compiled, num_warps: int) -> tuple[int | None, int | None]:
-    """(registers per thread, programs per SM) of a compiled Triton kernel on sm_90:
-    registers are allocated in 8s per thread, shared memory per program plus the 1 KiB
-    the SM reserves for each."""
-    registers = getattr(compiled, "n_regs", None)
-    metadata = getattr(compiled, "metadata", None)
-    if not registers or metadata is None:
+    """(registers per thread, programs per SM) of a launched Triton kernel on this GPU."""
+    if not getattr(compiled, "n_regs", None):
         return None, None
-    by_registers = REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * num_warps)
-    by_shared = SM90_SHARED_PER_SM // (metadata.shared + 1024)
-    return registers, min(by_registers, by_shared, 2048 // (32 * num_warps))
+    fit = kernel_fit(compiled, num_warps, torch.cuda.get_device_properties())
+    return fit.registers, fit.programs_per_sm
 
 
 def _warm(job: tuple) -> str:
     """Compile one launch into Triton's on-disk cache (a worker process)."""
     module, name, args, kwargs = job
     kernel = getattr(importlib.import_module(module), name)
+    # Triton specialises a tensor argument by its dtype (and an assumed 16-byte
+    # alignment) when given a MockTensor; a bare dtype it refuses
+    from triton.runtime.jit import MockTensor
+
+    kwargs = {k: MockTensor.wrap_dtype(v) for k, v in kwargs.items()}
     try:
         kernel.warmup(*args, grid=(1,), **kwargs)
     except Exception as exc:  # e.g. out of shared memory: reported when timed

@@ -372,3 +372,21 @@ def test_makespan_rule_evens_the_waves_and_cuts_the_critical_path():
         np.asarray([4096] * 64), 396, merge_keys_per_split=1e4, **base
     ).num_splits
     assert dear < free
+
+
+def test_makespan_rule_fills_one_wave_and_counts_split_slots():
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+    base = dict(granule=64, overhead_keys=64, copies=8)
+
+    def splits(keys, slots, split_slots=None):
+        return policy.choose_by_makespan(
+            np.asarray(keys), slots, split_slots=split_slots, **base
+        ).num_splits
+
+    # 4 requests x 8 heads: 16 splits are 512 programs, one wave of 528 slots (no tail);
+    # in 396 slots they would spill into a second wave
+    assert splits([32768] * 4, 528) == 16
+    assert splits([32768] * 4, 396) != 16
+    # a split launch that holds more programs per SM than the unsplit one
+    assert splits([1024] * 256, 396) == 1
+    assert splits([1024] * 256, 396, split_slots=528) == 2

@@ -33,10 +33,11 @@ from pagedkv.backends.triton.configs import (
     fits,
     plan_step,
     plan_tiles,
-    programs_per_sm,
+    slots_per_sm,
 )
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
+from pagedkv.toolkit.launch import KernelFit
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -198,34 +199,91 @@ def _plan(layer, seq_lens, query_lens, **kwargs):
     return plan_tiles(layer, _step(seq_lens, query_lens), H200_SMS, **kwargs)
 
 
+# Registers of the attention kernel compiled for the H200 (Triton 3.6, D 128, 16-row
+# programs, 4 warps; unsplit, split), as benchmarks/triton_sweep.py read them there
+# (docs/results/sweep-h200-sixth-session-before.txt): what the builder's CompiledFits gives the
+# rule on that GPU. fp8 m16-n64 split spills 4 bytes.
+H200_REGISTERS = {
+    ("bf16", 16): (80, 78),
+    ("bf16", 32): (112, 104),
+    ("bf16", 64): (164, 124),
+    ("bf16", 128): (241, 200),
+    ("fp8", 16): (96, 96),
+    ("fp8", 32): (139, 128),
+    ("fp8", 64): (150, 168),
+    ("fp8", 128): (178, 168),
+}
+
+
+def h200_fits(kind: str):
+    def fit(tile: TileConfig, split: bool) -> KernelFit:
+        registers = H200_REGISTERS[(kind, tile.tile_n)][split]
+        spill = 4 if (kind, tile.tile_n, split) == ("fp8", 64, True) else 0
+        per_sm = 65536 // (-(-registers // 8) * 8 * 32 * tile.num_warps)
+        return KernelFit(registers, spill, 0, per_sm)
+
+    return fit
+
+
 @pytest.mark.parametrize(
     "num_seqs, seq_len, query_len, expect",
     [
-        # 512 programs (64 requests x 8 KV heads) fill the H200's 396 slots of this tile
-        # 1.3 times: 3 splits make the waves even
-        (64, 4096, 1, 3),
-        (256, 1024, 1, 1),  # 2048 programs: 5.2 waves, splitting only adds programs
-        (4, 32768, 1, 32),  # 32 programs: shares of 1024 keys
+        # 512 programs (64 requests x 8 KV heads) in the unsplit tile's 396 slots leave a
+        # thin second wave; 2 splits are 1024 programs of the split tile, which holds 4 per
+        # SM: 1.94 waves of its 528 slots, the last one nearly full
+        (64, 4096, 1, 2),
+        # 2048 programs in the 396 slots of the unsplit tile (3 per SM): 2 splits run in
+        # the split tile's 528 slots
+        (256, 1024, 1, 2),
+        (4, 32768, 1, 16),  # 512 programs: one wave of the 528 slots
         (1, 32768, 1, 64),  # capped by max_splits
         (1, 700, 1, 1),  # too short to split
         (8, 2048, 2048, 1),  # a full prefill grid does not split
     ],
 )
-def test_split_choice(num_seqs, seq_len, query_len, expect):
-    plan = _plan(H200_LAYER, [seq_len] * num_seqs, [query_len] * num_seqs)
+def test_split_choice_on_the_h200(num_seqs, seq_len, query_len, expect):
+    plan = _plan(H200_LAYER, [seq_len] * num_seqs, [query_len] * num_seqs, fit=h200_fits("bf16"))
     assert plan.num_splits == expect
     assert plan.split == (expect > 1) and plan.tiles_per_split == 0
+
+
+@pytest.mark.parametrize(
+    "num_seqs, seq_len, expect",
+    [
+        (64, 4096, 3),  # 1536 programs in 396 slots: 3.9 waves, the last one nearly full
+        (256, 1024, 1),  # 5.2 waves: splitting only adds programs
+        (4, 32768, 12),  # 384 programs: one wave
+    ],
+)
+def test_split_choice_by_the_estimate(num_seqs, seq_len, expect):
+    """Where nothing compiles (the interpreter), the register estimate's occupancy."""
+    assert _plan(H200_LAYER, [seq_len] * num_seqs, [1] * num_seqs).num_splits == expect
+
+
+def test_the_compiled_registers_choose_the_fp8_tile():
+    """fp8 m16-n128 compiles to 168-178 registers (the estimate: 460): 3 split programs
+    per SM hold 96 KiB of K/V in flight, which m16-n64 (spills when split) and m16-n32
+    (4 x 8 KiB) do not; the estimate alone keeps m16-n32."""
+    fp8 = LayerShape.of(SPEC.replace(kv_cache_dtype="fp8_e4m3"))
+    compiled = _plan(fp8, [4096] * 64, [1] * 64, fit=h200_fits("fp8"))
+    assert (compiled.tile.tile_n, compiled.split) == (128, True)
+    assert _plan(fp8, [4096] * 64, [1] * 64).tile.tile_n == 32
+    # nothing compiled (fit gives None): the estimate decides
+    assert _plan(fp8, [4096] * 64, [1] * 64, fit=lambda tile, split: None).tile.tile_n == 32
 
 
 def test_a_ragged_batch_splits_its_long_requests():
     """One long request among short ones would be the grid's critical path: it is cut
     until its programs stream no more than about the step's work per slot."""
     seq_lens = [32768] + [1024] * 127
-    plan = _plan(H200_LAYER, seq_lens, [1] * 128)
-    slots = programs_per_sm(H200_LAYER, plan.tile) * H200_SMS
+    fit = h200_fits("bf16")
+    plan = _plan(H200_LAYER, seq_lens, [1] * 128, fit=fit)
+    slots = slots_per_sm(H200_LAYER, plan.tile, True, fit) * H200_SMS
     work_per_slot = sum(seq_lens) * H200_LAYER.num_kv_heads / slots
     assert plan.num_splits > 1 and 32768 / plan.num_splits <= work_per_slot * 1.25
-    assert _plan(H200_LAYER, [1024] * 128, [1] * 128).num_splits == 1
+    # without its long request the batch takes fewer splits (2: the split tile holds 4
+    # programs per SM against the unsplit one's 3)
+    assert _plan(H200_LAYER, [1024] * 128, [1] * 128, fit=fit).num_splits < plan.num_splits
 
 
 def test_mixed_steps_launch_decodes_and_chunks_apart():
@@ -245,12 +303,15 @@ def test_mixed_steps_launch_decodes_and_chunks_apart():
     assert len(plan_step(H200_LAYER, step, H200_SMS, forced_splits=2)) == 1
 
 
-def test_split_choice_is_monotone_in_batch_size():
-    previous = SPLIT_POLICY.max_splits
-    for num_seqs in range(1, 80, 3):
-        splits = _plan(H200_LAYER, [1 << 16] * num_seqs, [1] * num_seqs).num_splits
-        assert 1 <= splits <= previous
-        previous = splits
+def test_splits_keep_a_grid_out_of_a_thin_last_wave():
+    """Wave quantisation: 31 requests of 64k keys x 8 KV heads at 2 splits are 496
+    programs, one wave of the H200's 528 split slots; 34 requests at 2 splits would be
+    544, a second wave of 16 programs as long as the first, so the rule takes many
+    short programs instead (the choice is not monotone in the batch size)."""
+    fit = h200_fits("bf16")
+    assert _plan(H200_LAYER, [1 << 16] * 31, [1] * 31, fit=fit).num_splits == 2
+    many = _plan(H200_LAYER, [1 << 16] * 34, [1] * 34, fit=fit).num_splits
+    assert many >= 8 and 34 * 8 * many > 2 * 528
 
 
 def test_rows_follow_the_work():
@@ -595,7 +656,8 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
     wide = pagedkv.get_backend("triton").make_builder(
         spec.replace(num_heads=32, num_kv_heads=2), DEVICE
     )
-    wide.gluon_problem, wide.num_sms = None, 16
+    # 32 programs on 12 SMs: two waves and a thin third, which splits fill
+    wide.gluon_problem, wide.num_sms = None, 12
     speculative = wide.build(step([8000] * 8, [8] * 8))
     assert speculative.plan.split and kernels(speculative) == [False]
     tile = TileConfig(64, 32, 4, 2)

@@ -123,3 +123,32 @@ def test_offsets_past_2_31_elements():
         backend = pagedkv.get_backend("triton", num_splits=splits)
         result = run_scenario(backend, scenario, "cuda", backend_label=f"triton-split{splits}")
         assert result.passed, result.report()
+
+
+def test_the_rule_reads_the_compiled_kernels_registers():
+    """On a GPU the builder's tile rule asks the compiled kernel how many programs an
+    SM holds (configs.FitSource): every variant it asked about compiled, each split and
+    unsplit launch with its own registers, and the plan's tile is one of them."""
+    from pagedkv.backends.triton.configs import LayerShape, StepShape
+
+    spec = AttentionSpec(
+        num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
+    )
+    builder = BACKEND.make_builder(spec, "cuda")
+    assert builder.fits is not None
+    seq_lens = [4096] * 64
+    blocks = [list(range(1 + 256 * i, 1 + 256 * (i + 1))) for i in range(64)]
+    common = CommonAttentionMetadata.from_requests(seq_lens, [1] * 64, blocks, 16, "cuda")
+    md = builder.build(common)
+    asked = builder.fits._fits
+    assert (md.tile, True) in asked and (md.tile, False) in asked
+    for (tile, _split), fit in asked.items():
+        assert fit is not None and fit.registers > 0 and fit.programs_per_sm >= 1, tile
+    # the plan is what the rule makes of those fits
+    from pagedkv.backends.triton.configs import plan_tiles
+
+    again = plan_tiles(LayerShape.of(spec), StepShape.of(common), builder.num_sms, fit=builder.fits)
+    assert (again.tile, again.num_splits) == (md.tile, md.num_splits)
+    # the batch-invariant mode's plan must not depend on the GPU's compiler
+    invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, "cuda")
+    assert invariant.fits is None

@@ -18,6 +18,7 @@ from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
     SPLIT_POLICY,
+    FitSource,
     LayerShape,
     StepPart,
     StepShape,
@@ -39,6 +40,7 @@ from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.intmath import next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import KernelLaunch, programmatic_launch
 from pagedkv.toolkit.split_kv import num_sms
 
@@ -118,6 +120,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # (programmatic dependent launch) where the GPU has it: a split decode is short,
         # so the gap between the two kernels is a visible share of it
         self.programmatic = programmatic_launch(self.device)
+        # the compiled kernels' registers for the tile rule, on a GPU that compiles them
+        # (the batch-invariant mode's tile must not depend on the GPU); None: the estimate
+        self.fits: FitSource | None = None
+        if not self.batch_invariant and self.device.type == "cuda" and not interpreting():
+            # imported here: the occupancy probe builds its steps with this module's builder
+            from pagedkv.backends.triton.occupancy import CompiledFits
+
+            self.fits = CompiledFits(spec, self.device, options)
         # why prefill steps cannot run the Gluon sm_90 kernel here (None: they do)
         if self.batch_invariant:
             self.gluon_problem = "the batch-invariant mode keeps one kernel and tile per layer"
@@ -148,6 +158,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             batch_invariant=self.batch_invariant,
             tile=tile,
             bounded=self.graph_bounds is not None,
+            fit=self.fits,
         )
         splits = max(p.plan.num_splits for p in parts)
         s, layer, unused = self.spec, self.layer, self._unused
@@ -163,7 +174,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if parts[0].plan.dynamic_splits:
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
             # written where the captured kernels read them
-            chosen = step_splits(layer, StepShape.of(common), parts[0].plan, self.num_sms)
+            chosen = step_splits(
+                layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits
+            )
             num_splits = self.scratch("num_splits", (1,), torch.int32)
             num_splits.copy_(torch.tensor([chosen], dtype=torch.int32), non_blocking=True)
         whole = len(parts) == 1

@@ -31,6 +31,7 @@ and lists the constants below that are measurements to repeat on a new GPU.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.launch import KernelFit
 from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
@@ -358,14 +360,32 @@ def _fitting_tiles(layer: LayerShape, block_m: int) -> list[TileConfig]:
     return out
 
 
+# The compiled kernel's fit of a tile on this GPU, split (True) or not:
+# ``occupancy.CompiledFits`` on a CUDA device. Where it is None, or gives None (nothing
+# compiles here), the register estimate stands in.
+FitSource = Callable[[TileConfig, bool], KernelFit | None]
+
+
 @functools.lru_cache(maxsize=1024)
 def programs_per_sm(layer: LayerShape, tile: TileConfig) -> int:
-    """Programs one SM holds at once, by registers (at most 255 per thread, allocated in
-    8s) and shared memory."""
+    """Programs one SM holds at once by the estimate: by registers (at most 255 per
+    thread, allocated in 8s) and shared memory."""
     regs = min(255.0, estimate_registers(layer, tile.block_m, tile.tile_n, tile.num_warps))
     by_registers = REGISTERS_PER_SM // (int(regs + 7) // 8 * 8 * 32 * tile.num_warps)
     by_shared = SHARED_PER_SM // estimate_shared(layer, tile.block_m, tile.tile_n)
     return max(1, min(by_registers, by_shared))
+
+
+def slots_per_sm(
+    layer: LayerShape, tile: TileConfig, split: bool, fit: FitSource | None = None
+) -> int:
+    """Programs of ``tile`` one SM holds at once: the compiled kernel's count where
+    ``fit`` knows it (a split launch may take fewer registers than an unsplit one, or
+    more), else the estimate's."""
+    compiled = fit(tile, split) if fit is not None else None
+    if compiled is not None and compiled.programs_per_sm > 0:
+        return compiled.programs_per_sm
+    return programs_per_sm(layer, tile)
 
 
 def num_stages(layer: LayerShape) -> int:
@@ -378,9 +398,16 @@ def num_stages(layer: LayerShape) -> int:
 
 
 @functools.lru_cache(maxsize=1024)  # a function of the layer's shape: once per shape
-def choose_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> TileConfig:
+def choose_tile(
+    layer: LayerShape, block_m: int, memory_bound: bool, fit: FitSource | None = None
+) -> TileConfig:
     """Keys per step and warps for programs of ``block_m`` rows: one warpgroup, unless
-    only two can hold a useful tile."""
+    only two can hold a useful tile. ``fit``: the compiled kernels' registers decide
+    memory-bound tiles of one warpgroup where they are known."""
+    if memory_bound and fit is not None and not layer.fp32 and block_m < 64:
+        compiled = _compiled_memory_tile(layer, block_m, fit)
+        if compiled is not None:
+            return compiled
     fitting = _fitting_tiles(layer, block_m)
     for warps in (4, 8):
         tiles = [t for t in fitting if t.num_warps == warps]
@@ -410,6 +437,36 @@ def choose_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> TileConf
         return min(fitting, key=lambda t: (t.num_warps, t.tile_n))
     # only rows that are not candidates get here (an explicit tile override's rows)
     return TileConfig(block_m, TILE_N_CHOICES[0], 8 if block_m >= 64 else 4, num_stages(layer))
+
+
+def _compiled_memory_tile(layer: LayerShape, block_m: int, fit: FitSource) -> TileConfig | None:
+    """The memory-bound rule of ``choose_tile`` over the compiled kernels: the smallest
+    key step whose split launch (decode steps mostly split: ``makespan_splits``) holds
+    ``BYTES_IN_FLIGHT_PER_SM`` of K/V per SM, among the tiles that compile without a
+    spill, split or not; short of that, the most bytes in flight. Nothing is assumed
+    of the tiles' registers, so tiles the estimate rejects (fp8 m16-n128: estimated 460
+    registers, compiled 168) are candidates. None where nothing compiles here."""
+    short: tuple[int, TileConfig] | None = None
+    for tile_n in TILE_N_CHOICES:
+        tile = TileConfig(block_m, tile_n, 4, num_stages(layer))
+        if estimate_shared(layer, block_m, tile_n) > SHARED_PER_SM:
+            continue
+        split = fit(tile, True)
+        if split is None:
+            return None
+        if split.spill_bytes or split.programs_per_sm == 0:
+            continue
+        in_flight = split.programs_per_sm * 2 * tile_n * layer.head_pad * layer.cache_bytes
+        enough = in_flight >= BYTES_IN_FLIGHT_PER_SM
+        if not enough and short is not None and short[0] >= in_flight:
+            continue
+        whole = fit(tile, False)  # the same tile launched unsplit must not spill either
+        if whole is None or whole.spill_bytes or whole.programs_per_sm == 0:
+            continue
+        if enough:
+            return tile
+        short = (in_flight, tile)
+    return short[1] if short is not None else None
 
 
 # -- splits ------------------------------------------------------------------------------
@@ -446,13 +503,15 @@ def plan_step(
     batch_invariant: bool = False,
     tile: TileConfig | None = None,
     bounded: bool = False,
+    fit: FitSource | None = None,
 ) -> tuple[StepPart, ...]:
     """A step's launches: one per part, a part being a run of decode-like requests (at
     most ``SPLIT_POLICY.max_query_len`` queries) or of longer ones. A step made of one
     run of each (the decodes first, as schedulers order them, or last) gets two
     launches, so that its decodes keep their small tiles and splits and its chunks
     their large tiles; any other step, a CUDA-graph step (``bounded``: one plan for
-    every step within the bounds), a batch-invariant one or a forced tile gets one."""
+    every step within the bounds), a batch-invariant one or a forced tile gets one.
+    ``fit``: the compiled kernels' registers (``FitSource``)."""
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits):
@@ -473,6 +532,7 @@ def plan_step(
                 batch_invariant=batch_invariant,
                 tile=tile,
                 bounded=bounded,
+                fit=fit,
             ),
         )
         for first, end in parts
@@ -488,6 +548,7 @@ def plan_tiles(
     batch_invariant: bool = False,
     tile: TileConfig | None = None,
     bounded: bool = False,
+    fit: FitSource | None = None,
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits; ``bounded``: a CUDA-graph plan, whose scratch is
@@ -505,7 +566,7 @@ def plan_tiles(
         return TilePlan(tile, _block_q(layer, tile), splits, True, keys // tile.tile_n, True)
     if tile is None:
         block_m, memory_bound = choose_block_m(layer, step)
-        tile = choose_tile(layer, block_m, memory_bound)
+        tile = choose_tile(layer, block_m, memory_bound, fit)
     block_q = _block_q(layer, tile)
     if forced_splits:
         choice = SPLIT_POLICY.choose(
@@ -515,10 +576,10 @@ def plan_tiles(
     elif bounded and step.max_query_len <= SPLIT_POLICY.max_query_len:
         # decode-like steps within the bounds: each step chooses its own splits, up to
         # what the most-splitting of them takes (one request of the longest sequence)
-        most = graph_split_limit(layer, step, tile, block_q, num_sms)
+        most = graph_split_limit(layer, step, tile, block_q, num_sms, fit)
         return TilePlan(tile, block_q, most, most > 1, 0, False, dynamic_splits=most > 1)
     else:
-        choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded)
+        choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit)
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
 
 
@@ -529,23 +590,34 @@ def partial_bytes_per_split(layer: LayerShape, tokens: int) -> int:
 
 
 def graph_split_limit(
-    layer: LayerShape, bounds: StepShape, tile: TileConfig, block_q: int, num_sms: int
+    layer: LayerShape,
+    bounds: StepShape,
+    tile: TileConfig,
+    block_q: int,
+    num_sms: int,
+    fit: FitSource | None = None,
 ) -> int:
     """The most splits any decode-like step within CUDA-graph bounds (``bounds``: the
     bounds as a step, ``StepShape.of_bounds``) may choose: those of one request of the
     longest sequence, as far as the partials of the bounds' every token stay within
     ``LONG_QUERY_SPLIT_BYTES``."""
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
-    most = makespan_splits(layer, one, tile, block_q, num_sms).num_splits
+    most = makespan_splits(layer, one, tile, block_q, num_sms, fit=fit).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
     return max(1, min(most, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes)))
 
 
-def step_splits(layer: LayerShape, step: StepShape, plan: TilePlan, num_sms: int) -> int:
+def step_splits(
+    layer: LayerShape,
+    step: StepShape,
+    plan: TilePlan,
+    num_sms: int,
+    fit: FitSource | None = None,
+) -> int:
     """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
     rule over the step's own requests, with the plan's tile, at most the plan's width."""
     choice = makespan_splits(
-        layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits
+        layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit
     )
     return choice.num_splits
 
@@ -579,9 +651,10 @@ def makespan_splits(
     *,
     bounded: bool = False,
     max_splits: int | None = None,
+    fit: FitSource | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
-    programs an SM holds of it. Decode-like steps may split up to the policy's maximum
+    programs an SM holds of it, launched split and unsplit (``slots_per_sm``). Decode-like steps may split up to the policy's maximum
     (or ``max_splits``); longer queries (chunked prefills) too, as far as their partial
     results stay within ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph
     reservation (its scratch is sized for decode-like steps)."""
@@ -594,10 +667,11 @@ def makespan_splits(
         limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
     if max_splits is not None:
         limit = min(limit, max_splits)
-    slots = programs_per_sm(layer, tile) * num_sms
+    slots = slots_per_sm(layer, tile, False, fit) * num_sms
+    split_slots = slots_per_sm(layer, tile, True, fit) * num_sms
     # the reduction writes and reads each split's partials once, in the time the
-    # grid's slots stream this many keys
-    key_bytes = slots * 2 * layer.head_size * layer.cache_bytes
+    # split grid's slots stream this many keys
+    key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
     return SPLIT_POLICY.choose_by_makespan(
         program_keys(layer, step, block_q),
         slots,
@@ -606,6 +680,7 @@ def makespan_splits(
         merge_keys_per_split=2 * split_bytes / key_bytes,
         max_splits=limit,
         copies=layer.num_kv_heads,
+        split_slots=split_slots,
     )
 
 

@@ -53,3 +53,53 @@ def programmatic_launch(device: torch.device | str) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """How a compiled kernel fits on its GPU's SMs."""
+
+    registers: int  # per thread, as the compiler allocated them
+    spill_bytes: int  # local memory per thread (spilled registers)
+    shared_bytes: int  # per program
+    programs_per_sm: int  # programs one SM holds at once, by registers, shared memory, threads
+
+
+def compiled_fit(launch: KernelLaunch, device: torch.device | str) -> KernelFit | None:
+    """Compile ``launch``'s Triton kernel variant for ``device`` without running it and
+    read how it fits there (what a tile rule's register estimate stands for). None where
+    nothing is compiled: not CUDA, or Triton's interpreter. The variant goes to Triton's
+    caches, so the launch that runs it later does not compile it again."""
+    from pagedkv.toolkit.interpreter import interpreting
+
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        compiled = launch.kernel.warmup(grid=launch.grid, **launch.kwargs)
+        # the registers and spills are read when the binary is loaded, which warmup skips
+        compiled._init_handles()
+    props = torch.cuda.get_device_properties(index)
+    return kernel_fit(compiled, launch.kwargs.get("num_warps", 4), props)
+
+
+def kernel_fit(compiled: Any, num_warps: int, props: Any) -> KernelFit:
+    """``KernelFit`` of a loaded Triton ``CompiledKernel`` on a GPU of properties ``props``
+    (``torch.cuda.get_device_properties``): registers are allocated in 8s per thread;
+    each program's shared memory also takes the 1 KiB the SM reserves per block."""
+    threads = 32 * num_warps
+    registers = int(compiled.n_regs)
+    shared = int(compiled.metadata.shared)
+    # sm_90's limits where this torch does not report them
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    by_registers = regs_per_sm // max(1, -(-registers // 8) * 8 * threads)
+    by_shared = shared_per_sm // (shared + 1024)
+    return KernelFit(
+        registers=registers,
+        spill_bytes=4 * int(compiled.n_spills),  # Triton counts spilled 32-bit words
+        shared_bytes=shared,
+        programs_per_sm=max(0, min(by_registers, by_shared, threads_per_sm // threads)),
+    )

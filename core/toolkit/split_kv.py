@@ -111,21 +111,27 @@ class SplitPolicy:
         merge_keys_per_split: float = 0.0,
         max_splits: int | None = None,
         copies: int = 1,
+        split_slots: int | None = None,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
         heads; each entry stands for ``copies`` programs, e.g. one per KV head), on a GPU
-        that runs ``slots`` programs at once.
+        that runs ``slots`` programs at once (``split_slots`` of a split launch, whose
+        kernel may hold more or fewer programs per SM; default ``slots``).
 
         Split ``s`` cuts every program into ``s`` programs of ceil(keys / s) keys (in
         whole ``granule`` steps), each also paying ``overhead_keys`` (start-up, epilogue).
         The grid's time is estimated as list scheduling bounds it: the total work spread
-        over the slots, or the longest program if that is longer, plus half the longest
-        program for the tail (the last wave's programs start unevenly); a split grid
-        also pays ``merge_keys_per_split`` per split for the reduction. So a uniform
-        grid that fills its slots 1.3 times splits until its waves are even, a ragged
-        one until its longest request is no longer the critical path, and a full one
-        does not split. The fewest splits within ``MAKESPAN_TIE`` of the best win.
+        over the slots, or the longest program if that is longer; a grid whose programs
+        all start at once takes just that. A grid of several waves adds a tail, the
+        larger of: the idle share of a thin last wave times the longest program (a
+        uniform grid), and ``RAGGED_TAIL_SHARE`` times the longest program's excess
+        over the mean one (a long program of a ragged grid may start late and end
+        alone). A split grid also pays ``merge_keys_per_split`` per split for the
+        reduction. So a uniform grid splits until it fits in one wave or its last wave
+        is full, a ragged one until its longest request is no longer the critical path,
+        and a full one does not split. The fewest splits within ``MAKESPAN_TIE`` of the
+        best win.
         Candidates keep at least ``min_keys_per_split`` keys per split of the longest
         program, and at most ``max_splits`` (default: the policy's)."""
         keys = np.asarray(keys, dtype=np.float64)
@@ -137,9 +143,18 @@ class SplitPolicy:
         per_program = (
             np.ceil(steps[None, :] / candidates[:, None]) * granule + overhead_keys
         )  # [S, P]
-        total = per_program.sum(axis=1) * (candidates * copies / max(1, slots))
+        grid_slots = np.where(candidates > 1, split_slots or slots, slots).clip(min=1)
+        total = per_program.sum(axis=1) * (candidates * copies / grid_slots)
         longest_program = per_program.max(axis=1, initial=0.0)
-        estimate = np.maximum(total, longest_program) + longest_program / 2
+        programs = len(keys) * candidates * copies
+        last_wave = programs % grid_slots
+        # a thin last wave leaves slots (and bandwidth) idle for up to a program's time
+        thin = np.where(last_wave == 0, 0.0, 1.0 - last_wave / grid_slots) * longest_program
+        # a program much longer than the others may start late and end alone
+        mean_program = per_program.sum(axis=1) / max(1, per_program.shape[1])
+        ragged = RAGGED_TAIL_SHARE * (longest_program - mean_program)
+        tail = np.where(programs <= grid_slots, 0.0, np.maximum(thin, ragged))
+        estimate = np.maximum(total, longest_program) + tail
         estimate += np.where(candidates > 1, candidates * merge_keys_per_split, 0.0)
         best = estimate.min()
         splits = int(candidates[np.argmax(estimate <= best * (1 + MAKESPAN_TIE))])
@@ -157,6 +172,11 @@ class SplitPolicy:
 # Split counts the makespan rule compares (each a whole number of even shares; between
 # two of them the estimate changes little)
 _SPLIT_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# The ragged grid's tail: its longest program's excess over the mean, times this. Fitted
+# with the Triton backend on the H200 (benchmarks/triton_sweep.py --all-splits over 12
+# decode workloads, docs/triton.md): 1.5 picks the fastest split count on 11 of them
+# and one within 0.4% on the 12th
+RAGGED_TAIL_SHARE = 1.5
 # Estimates within this fraction of the best are a tie, won by fewer splits (each split
 # adds partial results to write and merge, which the estimate only approximates)
 MAKESPAN_TIE = 0.05

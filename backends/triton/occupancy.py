@@ -1,0 +1,92 @@
+"""How the attention kernel's variants fit on this GPU, from the compiled kernels.
+
+The tile rule (``configs.py``) needs the registers a tile takes: they decide how many
+programs an SM holds (the makespan of a split decode, the K/V bytes in flight) and
+which tiles spill. The register estimate is fitted to unsplit launches and cannot see
+what ptxas does near its occupancy steps: on the H200 a split m16-n64 launch at D 128
+takes 124 registers (4 programs per SM) where the unsplit one takes 164 (3), and fp8
+m16-n128, estimated at 460, compiles to 168-178 without a spill. So on a CUDA device
+the rule asks the compiled kernel: each (tile, split) variant it considers is compiled
+once per builder, for a tiny step planned and completed by this backend's own builder
+and impl (the variant is the launch's, constant for constant). Triton keeps it in its
+caches; the launch that runs it does not compile it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pagedkv.backends.triton.configs import TileConfig
+from pagedkv.metadata import CommonAttentionMetadata
+from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.launch import KernelFit, compiled_fit
+
+# the probe step: two decodes (Triton specialises an int argument equal to 1, such as
+# a one-request step's request count), long enough for two splits of any tile
+_PROBE_SEQ_LEN = 1024
+_PROBE_REQUESTS = 2
+
+
+class CompiledFits:
+    """``FitSource`` of one layer spec's builder on one CUDA device: ``(tile, split)`` ->
+    the compiled attention kernel's ``KernelFit``, compiled on first ask."""
+
+    def __init__(self, spec: AttentionSpec, device: torch.device, options: dict[str, Any]) -> None:
+        self.spec = spec
+        self.device = device
+        # the builder's options but the split count, which each probe sets
+        self.options = {k: v for k, v in options.items() if k != "num_splits"}
+        self._fits: dict[tuple[TileConfig, bool], KernelFit | None] = {}
+        self._probe: tuple[Any, Any, CommonAttentionMetadata, tuple[torch.Tensor, ...]] | None = (
+            None
+        )
+
+    def __call__(self, tile: TileConfig, split: bool) -> KernelFit | None:
+        key = (tile, split)
+        if key not in self._fits:
+            self._fits[key] = self._compile(tile, split)
+        return self._fits[key]
+
+    def _compile(self, tile: TileConfig, split: bool) -> KernelFit | None:
+        builder, impl, common, (query, cache, out) = self._probe_step()
+        metadata = builder.build_metadata(common, tile=tile, num_splits=2 if split else 1)
+        attention = impl.plan(query, cache, metadata, out)[0]
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            return compiled_fit(attention, self.device)
+        except OutOfResources:  # more shared memory than an SM has: no program fits
+            return KernelFit(registers=0, spill_bytes=0, shared_bytes=0, programs_per_sm=0)
+
+    def _probe_step(self) -> tuple[Any, Any, CommonAttentionMetadata, tuple[torch.Tensor, ...]]:
+        if self._probe is None:
+            from pagedkv.backends.triton.backend import TritonBackend
+            from pagedkv.backends.triton.builder import TritonMetadataBuilder
+            from pagedkv.backends.triton.impl import TritonAttentionImpl
+
+            s, layout = self.spec, TritonBackend.kv_layout
+            per_request = -(-_PROBE_SEQ_LEN // s.block_size)
+            block_ids = [
+                list(range(1 + i * per_request, 1 + (i + 1) * per_request))
+                for i in range(_PROBE_REQUESTS)
+            ]
+            common = CommonAttentionMetadata.from_requests(
+                [_PROBE_SEQ_LEN] * _PROBE_REQUESTS, [1] * _PROBE_REQUESTS, block_ids,
+                s.block_size, self.device,
+            )  # fmt: skip
+            num_blocks = 1 + _PROBE_REQUESTS * per_request
+            cache = torch.empty(
+                layout.shape(num_blocks, s), dtype=s.cache_dtype, device=self.device
+            )
+            query = torch.empty(
+                _PROBE_REQUESTS, s.num_heads, s.head_size, dtype=s.dtype, device=self.device
+            )
+            builder = TritonMetadataBuilder(s, self.device, **self.options)
+            # a layer with sinks compiles its variant with them (their values do not matter)
+            sinks = None
+            if s.use_sinks:
+                sinks = torch.zeros(s.num_heads, dtype=torch.float32, device=self.device)
+            impl = TritonAttentionImpl(s, sinks=sinks, cache_layout=layout)
+            self._probe = (builder, impl, common, (query, cache, torch.empty_like(query)))
+        return self._probe
