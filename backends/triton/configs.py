@@ -397,17 +397,24 @@ def num_stages(layer: LayerShape) -> int:
     return 1 if layer.fp32 and layer.cache_bytes == 1 else 2
 
 
-@functools.lru_cache(maxsize=1024)  # a function of the layer's shape: once per shape
 def choose_tile(
     layer: LayerShape, block_m: int, memory_bound: bool, fit: FitSource | None = None
 ) -> TileConfig:
     """Keys per step and warps for programs of ``block_m`` rows: one warpgroup, unless
     only two can hold a useful tile. ``fit``: the compiled kernels' registers decide
-    memory-bound tiles of one warpgroup where they are known."""
+    memory-bound tiles of one warpgroup where they are known (``fit`` keeps what it
+    compiled, so this costs a few lookups per step; it is not part of a cache key,
+    which would keep every builder's probe alive)."""
     if memory_bound and fit is not None and not layer.fp32 and block_m < 64:
         compiled = _compiled_memory_tile(layer, block_m, fit)
         if compiled is not None:
             return compiled
+    return _estimated_tile(layer, block_m, memory_bound)
+
+
+@functools.lru_cache(maxsize=1024)  # a function of the layer's shape: once per shape
+def _estimated_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> TileConfig:
+    """``choose_tile`` by the register estimate."""
     fitting = _fitting_tiles(layer, block_m)
     for warps in (4, 8):
         tiles = [t for t in fitting if t.num_warps == warps]
@@ -654,10 +661,11 @@ def makespan_splits(
     fit: FitSource | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
-    programs an SM holds of it, launched split and unsplit (``slots_per_sm``). Decode-like steps may split up to the policy's maximum
-    (or ``max_splits``); longer queries (chunked prefills) too, as far as their partial
-    results stay within ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph
-    reservation (its scratch is sized for decode-like steps)."""
+    programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
+    Decode-like steps may split up to the policy's maximum (or ``max_splits``); longer
+    queries (chunked prefills) too, as far as their partial results stay within
+    ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
+    sized for decode-like steps)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits

@@ -21,6 +21,7 @@ from pagedkv.backends.triton.configs import TileConfig
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit, compiled_fit
+from triton.runtime.errors import OutOfResources
 
 # the probe step: two decodes (Triton specialises an int argument equal to 1, such as
 # a one-request step's request count), long enough for two splits of any tile
@@ -35,8 +36,7 @@ class CompiledFits:
     def __init__(self, spec: AttentionSpec, device: torch.device, options: dict[str, Any]) -> None:
         self.spec = spec
         self.device = device
-        # the builder's options but the split count, which each probe sets
-        self.options = {k: v for k, v in options.items() if k != "num_splits"}
+        self.options = options  # the builder's (each probe sets its own split count)
         self._fits: dict[tuple[TileConfig, bool], KernelFit | None] = {}
         self._probe: tuple[Any, Any, CommonAttentionMetadata, tuple[torch.Tensor, ...]] | None = (
             None
@@ -52,8 +52,6 @@ class CompiledFits:
         builder, impl, common, (query, cache, out) = self._probe_step()
         metadata = builder.build_metadata(common, tile=tile, num_splits=2 if split else 1)
         attention = impl.plan(query, cache, metadata, out)[0]
-        from triton.runtime.errors import OutOfResources
-
         try:
             return compiled_fit(attention, self.device)
         except OutOfResources:  # more shared memory than an SM has: no program fits
@@ -66,19 +64,14 @@ class CompiledFits:
             from pagedkv.backends.triton.impl import TritonAttentionImpl
 
             s, layout = self.spec, TritonBackend.kv_layout
-            per_request = -(-_PROBE_SEQ_LEN // s.block_size)
-            block_ids = [
-                list(range(1 + i * per_request, 1 + (i + 1) * per_request))
-                for i in range(_PROBE_REQUESTS)
-            ]
+            # compiled, never launched: every page may be block 1, and the cache (two
+            # blocks) gives the variant only its dtype and strides
+            block_ids = [[1] * -(-_PROBE_SEQ_LEN // s.block_size)] * _PROBE_REQUESTS
             common = CommonAttentionMetadata.from_requests(
                 [_PROBE_SEQ_LEN] * _PROBE_REQUESTS, [1] * _PROBE_REQUESTS, block_ids,
                 s.block_size, self.device,
             )  # fmt: skip
-            num_blocks = 1 + _PROBE_REQUESTS * per_request
-            cache = torch.empty(
-                layout.shape(num_blocks, s), dtype=s.cache_dtype, device=self.device
-            )
+            cache = torch.empty(layout.shape(2, s), dtype=s.cache_dtype, device=self.device)
             query = torch.empty(
                 _PROBE_REQUESTS, s.num_heads, s.head_size, dtype=s.dtype, device=self.device
             )

@@ -101,5 +101,5 @@ def kernel_fit(compiled: Any, num_warps: int, props: Any) -> KernelFit:
         registers=registers,
         spill_bytes=4 * int(compiled.n_spills),  # Triton counts spilled 32-bit words
         shared_bytes=shared,
-        programs_per_sm=max(0, min(by_registers, by_shared, threads_per_sm // threads)),
+        programs_per_sm=min(by_registers, by_shared, threads_per_sm // threads),
     )
