@@ -230,9 +230,9 @@ for section in "$@"; do
       run convert $PY benchmarks/convert_throughput.py --json "$OUT/convert.json"
       tail -n 20 "$OUT/convert.log"
       ;;
-    bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select
+    bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select; BENCH_ARGS: more options
       run bench $PY -m pagedkv.cli bench --backends "${BENCH_BACKENDS:-triton,flashinfer}" \
-        --matrix "${BENCH_MATRIX:-standard}" --workloads "${BENCH_WORKLOADS:-}" \
+        --matrix "${BENCH_MATRIX:-standard}" --workloads "${BENCH_WORKLOADS:-}" ${BENCH_ARGS:-} \
         --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png"
       tail -n 60 "$OUT/bench.log"
       ;;

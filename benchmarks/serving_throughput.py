@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from pagedkv.bench.profile import KernelProfile
 from pagedkv.intmath import cdiv
 from pagedkv.models import HFModel, builtin_config, random_model, reference_attention
 from pagedkv.serving import Engine, EngineConfig, ModelKVCache, SamplingParams, StepAttention
@@ -298,8 +299,6 @@ def kernel_profile(
     graph replays when ``cuda_graph``) under torch.profiler, every GPU kernel (or on a
     CPU, every operator's self time) summed per name. Returns (by kind, top kernels):
     rows of name, launches per step, microseconds per step, share of the step."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine = Engine(model, engine_config(args, device, work, cuda_graph, async_scheduling))
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         engine.add_request(f"k{i}", prompt, SamplingParams(max_tokens=n))
@@ -308,29 +307,16 @@ def kernel_profile(
         engine.step()  # every prompt computed: the profiled steps are pure decodes
     for _ in range(2):
         engine.step()  # the decode graphs of this batch size captured
-    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
     steps = 0
-    with profile(activities=[activity]) as prof:
+    with KernelProfile(device) as prof:
         for _ in range(args.kernel_profile):
             if not engine.has_unfinished():
                 break
             engine.step()  # launches one step (async: and takes the previous one's tokens)
             steps += 1
-        if device == "cuda":
-            torch.cuda.synchronize()  # every launched kernel done inside the window
     del engine
     _free(device)
-    totals: dict[str, list[float]] = {}
-    if device == "cuda":
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                entry = totals.setdefault(event.name, [0, 0.0])
-                entry[0] += 1
-                entry[1] += event.time_range.elapsed_us()
-    else:
-        for avg in prof.key_averages():
-            if avg.self_cpu_time_total > 0:
-                totals[avg.key] = [avg.count, avg.self_cpu_time_total]
+    totals = prof.totals()
     steps = max(1, steps)
     whole = sum(t for _, t in totals.values()) or 1.0
     kinds: dict[str, list[float]] = {}

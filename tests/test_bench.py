@@ -71,3 +71,27 @@ def test_bad_selections_are_config_errors():
         select_workloads("huge")
     with pytest.raises(ConfigError, match="no workload of 'tiny' matches nope"):
         select_workloads("tiny", ["nope"])
+
+
+def test_profile_lists_what_one_call_runs(tmp_path):
+    """--profile: each row's kernels (on a CPU, the torch operators) per call, longest
+    first, in the progress lines, the JSON and the markdown."""
+    lines: list[str] = []
+    workloads = select_workloads("tiny", ["tiny-decode"])
+    rows, _ = run_bench(["torch"], workloads, device="cpu", baseline=None, profile=2,
+                        progress=lines.append)  # fmt: skip
+    kernels = rows[0].kernels
+    assert kernels and all(k.calls > 0 and k.us > 0 for k in kernels)
+    assert [k.us for k in kernels] == sorted((k.us for k in kernels), reverse=True)
+    # the torch backend's attention is batched matmuls: they ran, once per call at least
+    assert any("bmm" in k.name or "einsum" in k.name for k in kernels)
+    assert any(kernels[0].name[:40] in line for line in lines)
+    # and the Python functions of a call, by own host time
+    assert rows[0].host_functions and any("impl.py" in f.name for f in rows[0].host_functions)
+    out = tmp_path / "bench"
+    assert main([
+        "bench", "--device", "cpu", "--backends", "torch", "--workloads", "tiny-decode",
+        "--profile", "1", "--json", f"{out}.json", "--markdown", f"{out}.md",
+    ]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["kernels"]
+    assert "Kernels of one eager call" in (tmp_path / "bench.md").read_text()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from pagedkv.bench.problem import build_problem
+from pagedkv.bench.profile import describe_kernels
 from pagedkv.bench.runners import Row, reference_output, run_baseline, run_pagedkv
 from pagedkv.bench.timing import copy_bandwidth
 from pagedkv.bench.workloads import MATRICES, Workload
@@ -84,9 +85,11 @@ def run_bench(
     graph: bool = True,
     check: bool = True,
     seed: int = 0,
+    profile: int = 0,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> tuple[list[Row], dict[str, Any]]:
-    """Time every config (and the baseline) on every workload; (rows, environment)."""
+    """Time every config (and the baseline) on every workload; (rows, environment).
+    ``profile``: also run this many eager calls under the profiler (``Row.kernels``)."""
     device = torch.device(device)
     copy_bw = copy_bandwidth(device)
     env = environment(device, copy_bw)
@@ -103,7 +106,7 @@ def run_bench(
             runs.append((baseline, run_baseline))
         batch: list[Row] = []
         for label, run in runs:
-            row, out = run(label, problem, graph=graph)
+            row, out = run(label, problem, graph=graph, profile=profile)
             if out is not None and reference is not None:
                 n = reference.shape[0]
                 row.max_abs_diff = float((out[:n].float() - reference.float()).abs().max())
@@ -117,6 +120,14 @@ def run_bench(
                 f"    {row.impl}: eager {row.eager_us or 0:.1f} us, graph "
                 f"{row.graph_us if row.graph_us is not None else '-'} {row.error}"
             )
+            if row.launch_us is not None:
+                progress(f"      host time to enqueue one call: {row.launch_us:.1f} us")
+            for line in describe_kernels(row.kernels):
+                progress(f"      {line}")
+            if row.host_functions:
+                progress("      host, by own time:")
+            for line in describe_kernels(row.host_functions):
+                progress(f"      {line}")
             batch.append(row)
         base = next((r for r in batch if r.impl == f"raw:{baseline}" and r.best_us), None)
         for row in batch:

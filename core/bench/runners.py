@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 from pagedkv.bench.problem import BenchProblem, fill_cache
-from pagedkv.bench.timing import synchronize, time_graph_us, time_us
+from pagedkv.bench.profile import KernelProfile, KernelTime, host_functions
+from pagedkv.bench.timing import launch_us, synchronize, time_graph_us, time_us
 from pagedkv.graph import GraphBounds
 from pagedkv.intmath import cdiv
 from pagedkv.selection import select_backend
@@ -21,6 +22,7 @@ class Row:
     impl: str  # a pagedkv backend config, or "raw:<library>"
     eager_us: float | None = None
     graph_us: float | None = None
+    launch_us: float | None = None  # GPU: host time to enqueue one eager call
     write_us: float | None = None  # pagedkv only: impl.write_kv of the step's new K/V
     gbps: float | None = None  # io bytes / best time
     pct_copy: float | None = None  # of the copy bandwidth measured in the same run
@@ -29,6 +31,10 @@ class Row:
     max_abs_diff: float | None = None  # against the torch backend's output
     graph_diff: float | None = None  # graph replay vs the eager output
     config: dict[str, Any] = field(default_factory=dict)
+    # --profile: the eager call's kernels (device time per call; on a GPU in launch order)
+    kernels: list[KernelTime] = field(default_factory=list)
+    # --profile: the Python functions of one eager call, by own host time
+    host_functions: list[KernelTime] = field(default_factory=list)
     error: str = ""
 
     @property
@@ -54,8 +60,22 @@ def _bounds(problem: BenchProblem) -> GraphBounds:
     )
 
 
+def time_eager(row: Row, fn: Callable[[], Any], device: torch.device, profile: int) -> None:
+    """``row``'s eager figures: the median call, on a GPU the host's enqueue time, and
+    with ``profile`` > 0 that many calls' kernels and Python functions, per call."""
+    row.eager_us = time_us(fn, device)
+    if device.type == "cuda":
+        row.launch_us = launch_us(fn, device)
+    if profile > 0:
+        with KernelProfile(device) as prof:
+            for _ in range(profile):
+                fn()
+        row.kernels = prof.per_launch(profile)
+        row.host_functions = host_functions(fn, profile)
+
+
 def run_pagedkv(
-    config: str, problem: BenchProblem, *, graph: bool = True
+    config: str, problem: BenchProblem, *, graph: bool = True, profile: int = 0
 ) -> tuple[Row, torch.Tensor | None]:
     """Time one backend config (selected as an engine would, so composite configs work)."""
     row = Row(problem.workload.name, config)
@@ -81,7 +101,7 @@ def run_pagedkv(
         attend()
         synchronize(device)
         result = out.clone()
-        row.eager_us = time_us(attend, device)
+        time_eager(row, attend, device, profile)
         support = backend.capabilities.graph_support
         if graph and device.type == "cuda" and support.allows(max(problem.workload.query_lens)):
             builder = backend.make_builder(spec, device)
@@ -106,7 +126,7 @@ def run_pagedkv(
 
 
 def run_baseline(
-    name: str, problem: BenchProblem, *, graph: bool = True
+    name: str, problem: BenchProblem, *, graph: bool = True, profile: int = 0
 ) -> tuple[Row, torch.Tensor | None]:
     row = Row(problem.workload.name, f"raw:{name}")
     device = problem.query.device
@@ -114,7 +134,7 @@ def run_baseline(
         runner = BASELINES[name](problem)
         result = runner().clone()
         synchronize(device)
-        row.eager_us = time_us(runner, device)
+        time_eager(row, runner, device, profile)
         if graph and device.type == "cuda":
             row.graph_us = time_graph_us(runner)
         return row, result

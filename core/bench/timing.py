@@ -41,6 +41,22 @@ def time_graph_us(fn: Callable[[], Any]) -> float | None:
         return None
 
 
+def launch_us(fn: Callable[[], Any], device: torch.device, calls: int = 50) -> float:
+    """Host time to enqueue one call (median of 5 runs of ``calls`` back-to-back calls,
+    no sync between them): what a CUDA graph saves per call. Fewer launches than the
+    GPU's queue holds, so the host never waits for the GPU; on a CPU, the whole call."""
+    fn()
+    samples = []
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    synchronize(device)
+    return 1e6 * statistics.median(samples)
+
+
 def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), measured now."""
     n = int(gib * (1 << 30)) if device.type == "cuda" else 1 << 26

@@ -54,6 +54,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present).")
     parser.add_argument("--no-graph", action="store_true", help="Skip the CUDA-graph timings.")
     parser.add_argument("--no-check", action="store_true", help="Skip the torch-backend check.")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Also run N eager calls per row under torch.profiler and print each kernel's "
+        "device time per call (where a step's time goes).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random data.")
     parser.add_argument("--json", metavar="PATH", help="Write rows and environment as JSON.")
     parser.add_argument("--markdown", metavar="PATH", help="Write a markdown report.")
@@ -97,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         graph=not args.no_graph,
         check=not args.no_check,
         seed=args.seed,
+        profile=args.profile,
     )
     print(
         f"\n{env.get('gpu') or env['device']}: copy bandwidth (read + write, measured now) "
