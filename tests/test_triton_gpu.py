@@ -152,3 +152,34 @@ def test_the_rule_reads_the_compiled_kernels_registers():
     # the batch-invariant mode's plan must not depend on the GPU's compiler
     invariant = pagedkv.get_backend("triton", batch_invariant=True).make_builder(spec, "cuda")
     assert invariant.fits is None
+
+
+def test_forwards_after_the_first_skip_tritons_dispatch(monkeypatch):
+    """The second forward of a specialisation launches the compiled variants directly
+    (pagedkv.toolkit.dispatch): same output bits as the dispatched first forward, and
+    a query of another alignment goes through Triton's dispatch again."""
+    from pagedkv.toolkit import dispatch
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+                         block_size=16)  # fmt: skip
+    seq_lens, block_ids = (
+        [4000, 37, 900],
+        [list(range(1, 251)), [251, 252, 253], list(range(254, 311))],
+    )
+    common = CommonAttentionMetadata.from_requests(seq_lens, [1, 1, 1], block_ids, 16, "cuda")
+    kv_cache = BACKEND.allocate_kv_cache(320, spec, "cuda").normal_()
+    metadata = BACKEND.make_builder(spec, "cuda").build(common)
+    assert metadata.num_splits > 1  # a split step: attention and reduction both launched
+    impl = BACKEND.make_impl(spec)
+    query = torch.randn(4, 8, 128, dtype=torch.bfloat16, device="cuda")
+    dispatched = []
+    real = dispatch._dispatch
+    monkeypatch.setattr(dispatch, "_dispatch", lambda *a: dispatched.append(a) or real(*a))
+    first = impl.forward(query[:3], None, None, kv_cache, metadata)
+    assert len(dispatched) == 2
+    second = impl.forward(query[:3].clone(), None, None, kv_cache, metadata)
+    assert len(dispatched) == 2 and torch.equal(first, second)
+    misaligned = torch.empty(4 * 8 * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:]
+    misaligned = misaligned.view(4, 8, 128)[:3].copy_(query[:3])
+    third = impl.forward(misaligned, None, None, kv_cache, metadata)
+    assert len(dispatched) == 3 and torch.equal(first, third)  # the attention's query

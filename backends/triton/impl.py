@@ -11,6 +11,7 @@ capturable once each kernel has been compiled by a first, uncaptured call).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ from pagedkv.backends.triton.gluon_plan import (
 )
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.launch import KernelLaunch, run_launches
+from pagedkv.toolkit.dispatch import LaunchArgs
+from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
 
 
@@ -63,7 +65,10 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         metadata: TritonMetadata,
         output: torch.Tensor,
     ) -> None:
-        run_launches(self.plan(query, kv_cache, metadata, output))
+        # the launches skip Triton's per-call dispatch once their variant is known: the
+        # step's and the layer's arguments are specialised once, the forward's at each call
+        for template, layer, call in self._launches(query, kv_cache, metadata, output):
+            template.run_with(*layer, call=call)
 
     def plan(
         self,
@@ -73,6 +78,23 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         output: torch.Tensor,
     ) -> list[KernelLaunch]:
         """The launches of one forward (the KV write excluded), planned, not run."""
+        launches = []
+        for template, layer, call in self._launches(query, kv_cache, metadata, output):
+            kwargs = dict(template.kwargs)
+            for group in layer:
+                kwargs.update(group.values)
+            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **call}))
+        return launches
+
+    def _launches(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        output: torch.Tensor,
+    ) -> Iterator[tuple[KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
+        """One forward's launches: (the step's template, the layer's arguments, the
+        forward's own arguments)."""
         md = metadata
         if md.layer is not self.layer and md.layer != self.layer:
             raise UnsupportedError(
@@ -87,37 +109,20 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         gluon_cache = None
         if any(part.gluon is not None for part in md.parts):
             gluon_cache = self._gluon_cache_args(kv_cache)
-        launches, portable = [], []
+        attention_call = {
+            "Out": output, "Q": query, "stride_qt": qs[0], "stride_qh": qs[1],
+            "stride_ot": os_[0], "stride_oh": os_[1],
+        }  # fmt: skip
+        reduce_call = {"Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
         for part in md.parts:
             if part.gluon is not None and gluon_cache is not None:
                 layer = self._gluon_layer_args
-                launches.append(part.gluon.launch(query, output, layer, gluon_cache))
-            else:
-                portable.append(part)
-        if not portable:
-            return launches
-        attention_args, reduce_args = self._layer_args(query.device)
-        k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
-        layer_args = {
-            **attention_args,
-            **cache_strides,
-            "Out": output,
-            "Q": query,
-            "KCache": k_cache,
-            "VCache": v_cache,
-            "stride_qt": qs[0],
-            "stride_qh": qs[1],
-            "stride_ot": os_[0],
-            "stride_oh": os_[1],
-        }
-        out_args = {**reduce_args, "Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
-        for part in portable:
-            t = part.attention
-            launches.append(KernelLaunch(t.kernel, t.grid, {**t.kwargs, **layer_args}))
-            r = part.reduce
-            if r is not None:
-                launches.append(KernelLaunch(r.kernel, r.grid, {**r.kwargs, **out_args}))
-        return launches
+                yield part.gluon.launch(query, output, layer, gluon_cache), (), {}
+                continue
+            attention, reduce = self._layer_launch_args(query.device, kv_cache)
+            yield part.attention, (attention,), attention_call
+            if part.reduce is not None:
+                yield part.reduce, (reduce,), reduce_call
 
     # -- per layer, computed once -----------------------------------------------------
 
@@ -138,6 +143,20 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
                 {**self._reduce_args, **reduce_tensors},
             )
         return args
+
+    def _layer_launch_args(
+        self, device: torch.device, kv_cache: torch.Tensor
+    ) -> tuple[LaunchArgs, LaunchArgs]:
+        """The layer's arguments of the attention and reduction launches over
+        ``kv_cache`` (once per cache, with its views)."""
+        k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
+        memo = self._views
+        assert memo is not None
+        if memo.launch_args is None or memo.launch_args[0] != device:
+            attention_args, reduce_args = self._layer_args(device)
+            attention = {**attention_args, **cache_strides, "KCache": k_cache, "VCache": v_cache}
+            memo.launch_args = (device, LaunchArgs(attention), LaunchArgs(reduce_args))
+        return memo.launch_args[1], memo.launch_args[2]
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """K and V views of ``kv_cache`` (from the layout, derived once per cache) and
@@ -208,3 +227,5 @@ class _CacheViews:
     # the Gluon kernel's descriptors over this cache (None: TMA cannot read it), made
     # on its first Gluon step
     gluon: object = _UNSET
+    # (device, the attention's and the reduction's layer arguments over these views)
+    launch_args: tuple[torch.device, LaunchArgs, LaunchArgs] | None = None

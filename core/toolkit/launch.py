@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pagedkv.toolkit import dispatch
+from pagedkv.toolkit.dispatch import LaunchArgs
 
 
 @dataclass(frozen=True)
@@ -20,9 +23,22 @@ class KernelLaunch:
     kernel: Any
     grid: tuple[int, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # ``kwargs`` as shared launch arguments, specialised once (``run_with``)
+    _shared: LaunchArgs | None = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(self) -> Any:
         return self.kernel[self.grid](**self.kwargs)
+
+    def run_with(self, *more: LaunchArgs, call: Mapping[str, Any]) -> None:
+        """This launch completed with ``more`` shared arguments (a layer's) and ``call``'s
+        per-call ones (a forward's tensors and their strides), without Triton's per-call
+        dispatch once the variant is known (``pagedkv.toolkit.dispatch``). The template's
+        ``kwargs`` must not change after the first call."""
+        shared = self._shared
+        if shared is None:
+            shared = LaunchArgs(self.kwargs)
+            object.__setattr__(self, "_shared", shared)
+        dispatch.launch(self.kernel, self.grid, (shared, *more), call)
 
 
 def run_launches(launches: list[KernelLaunch]) -> Any:

@@ -1,0 +1,199 @@
+"""Launching a compiled Triton kernel variant without Triton's per-call dispatch.
+
+``kernel[grid](**kwargs)`` binds every argument, specialises each one (a tensor's dtype
+and 16-byte alignment, an int's equality to 1 and divisibility by 16), builds a cache
+key from them and looks the compiled variant up, on every call. For a kernel of ~50
+arguments that is 50-70 us of host time per launch on an H200 host: more than a
+split decode takes on the GPU, so an eager forward waits on its host.
+
+Here the arguments come in groups. Shared groups (``LaunchArgs``: a step's metadata,
+a layer's cache views and scalars) are specialised once, per kernel; only the few
+per-call arguments (a forward's query and output, their strides) are specialised at
+each call. The variant found by Triton's own dispatch on the first call of a
+specialisation is remembered under that key and launched directly after that.
+
+The key is at least as fine as Triton's own: constexpr parameters and launch options
+by value, other ints by (== 1, % 16 == 0, 32-bit range), tensors by (dtype, 16-byte
+alignment), floats as fp32. A group holding anything else (a TMA descriptor, say)
+always takes Triton's dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# a value the key cannot describe: the launch takes Triton's dispatch
+_OPAQUE = object()
+
+
+def specialization(value: Any) -> Any:
+    """What a launch's variant depends on for a non-constexpr argument (conservatively:
+    never coarser than Triton's own specialisation), or ``_OPAQUE``."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int):
+        return ("i", value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63)
+    if isinstance(value, float):
+        return "f"
+    if value is None:
+        return None
+    return _OPAQUE
+
+
+@dataclass(frozen=True)
+class _Params:
+    """A JIT kernel's parameters, as its launcher takes them."""
+
+    names: tuple[str, ...]
+    index: dict[str, int]
+    constexprs: frozenset[str]
+    defaults: tuple[Any, ...]  # every parameter's default (None where it has none)
+
+
+_PARAMS: dict[int, tuple[Any, _Params | None]] = {}
+
+
+def _params(kernel: Any) -> _Params | None:
+    """``kernel``'s parameters, or None when it is not a compiled JIT kernel (Triton's
+    interpreter, a plain function)."""
+    hit = _PARAMS.get(id(kernel))
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    params = getattr(kernel, "params", None)
+    signature = getattr(kernel, "signature", None)
+    if params is None or signature is None or type(kernel).__name__ == "InterpretedFunction":
+        found = None
+    else:
+        names = tuple(p.name for p in params)
+        defaults = tuple(
+            None if p.default is p.empty else p.default for p in signature.parameters.values()
+        )
+        found = _Params(
+            names,
+            {n: i for i, n in enumerate(names)},
+            frozenset(p.name for p in params if p.is_constexpr),
+            defaults,
+        )
+    _PARAMS[id(kernel)] = (kernel, found)  # the kernel is kept: its id stays its own
+    return found
+
+
+# specialisation keys of shared groups, interned to small ints (a group's key is
+# computed once; a variant's key then hashes a few ints)
+_KEY_IDS: dict[tuple, int] = {}
+
+
+class LaunchArgs:
+    """Launch arguments that many launches share (a step's metadata, a layer's cache
+    views and scalars), specialised once per kernel. Launch options (num_warps, ...)
+    may be among them. The values must not change after the first launch."""
+
+    __slots__ = ("_bound", "values")
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self.values = values
+        self._bound: dict[int, tuple[int, tuple[tuple[int, Any], ...]] | None] = {}
+
+    def bound(self, kernel: Any, params: _Params) -> tuple[int, tuple[tuple[int, Any], ...]] | None:
+        """(key id, (parameter index, value) pairs) for ``kernel``; None when a value
+        cannot be keyed."""
+        key = id(kernel)
+        if key in self._bound:
+            return self._bound[key]
+        spec, positions = [], []
+        found: tuple[int, tuple[tuple[int, Any], ...]] | None = None
+        for name, value in self.values.items():
+            i = params.index.get(name)
+            if i is None or name in params.constexprs:  # an option or constexpr: by value
+                try:
+                    hash(value)
+                except TypeError:
+                    break
+                spec.append((name, type(value), value))
+            else:
+                s = specialization(value)
+                if s is _OPAQUE:
+                    break
+                spec.append((name, s))
+            if i is not None:
+                positions.append((i, value))
+        else:
+            found = (_KEY_IDS.setdefault(tuple(spec), len(_KEY_IDS)), tuple(positions))
+        self._bound[key] = found
+        return found
+
+
+# compiled variants by (kernel id, shared groups' key ids, per-call key)
+_VARIANTS: dict[tuple, Any] = {}
+
+
+def launch(
+    kernel: Any,
+    grid: Sequence[int],
+    shared: Sequence[LaunchArgs],
+    call: Mapping[str, Any],
+) -> Any:
+    """``kernel[grid](**shared..., **call)``: through Triton's dispatch the first time a
+    specialisation is seen, directly after that. ``call`` holds the non-constexpr
+    arguments that change from call to call. Returns Triton's handle on a dispatched
+    call, None on a direct one."""
+    params = _params(kernel)
+    bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
+    if params is None or None in bound:
+        return _dispatch(kernel, grid, shared, call)
+    call_spec = tuple(specialization(v) for v in call.values())
+    key = (id(kernel), *(b[0] for b in bound), *call.keys(), *call_spec)
+    compiled = _VARIANTS.get(key)
+    if compiled is None:
+        if _OPAQUE in call_spec or any(n in params.constexprs for n in call):
+            return _dispatch(kernel, grid, shared, call)
+        handle = _dispatch(kernel, grid, shared, call)
+        if all(hasattr(handle, a) for a in ("run", "function", "packed_metadata")):
+            _VARIANTS[key] = handle
+        return handle
+    args = list(params.defaults)
+    for b in bound:
+        for i, value in b[1]:
+            args[i] = value
+    index = params.index
+    for name, value in call.items():
+        args[index[name]] = value
+    _launch_compiled(compiled, grid, args)
+    return None
+
+
+def _dispatch(
+    kernel: Any, grid: Sequence[int], shared: Sequence[LaunchArgs], call: Mapping[str, Any]
+) -> Any:
+    kwargs: dict[str, Any] = {}
+    for g in shared:
+        kwargs.update(g.values)
+    kwargs.update(call)
+    return kernel[tuple(grid)](**kwargs)
+
+
+def current_stream() -> int:
+    """The stream Triton's dispatch launches on: the current device's current stream."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(driver.active.get_current_device())
+
+
+def _launch_compiled(compiled: Any, grid: Sequence[int], args: list[Any]) -> None:
+    """What Triton's dispatch ends with: the variant's launcher on the current stream."""
+    from triton import knobs
+
+    stream = current_stream()
+    g = (*grid, 1, 1)[:3]
+    hooks = knobs.runtime
+    compiled.run(
+        g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+        compiled.launch_metadata(g, stream, *args), hooks.launch_enter_hook,
+        hooks.launch_exit_hook, *args,
+    )  # fmt: skip

@@ -1,0 +1,110 @@
+"""pagedkv.toolkit.dispatch: a compiled variant is launched directly once Triton's
+dispatch has found it, and only for arguments that specialise the same way."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from pagedkv.toolkit import dispatch
+from pagedkv.toolkit.dispatch import LaunchArgs, launch, specialization
+
+
+@dataclass
+class _Param:
+    name: str
+    is_constexpr: bool
+
+
+@dataclass
+class _Compiled:
+    """Triton's CompiledKernel as the dispatch sees it: run(grid, stream, ..., *args)."""
+
+    ran: list = field(default_factory=list)
+    function: object = "fn"
+    packed_metadata: object = "meta"
+
+    def run(self, g0, g1, g2, stream, function, packed, launch_metadata, enter, exit_, *args):
+        self.ran.append(((g0, g1, g2), stream, args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class _Kernel:
+    """A JIT kernel of (X, n, stride, BLOCK: constexpr, scale=2.0) whose dispatch
+    returns one compiled variant per specialisation of its arguments."""
+
+    def __init__(self) -> None:
+        def kernel(X, n, stride, BLOCK, scale=2.0):
+            pass
+
+        self.signature = inspect.signature(kernel)
+        self.params = [_Param(n, n == "BLOCK") for n in self.signature.parameters]
+        self.dispatched: list[dict] = []
+        self.variants: dict = {}
+
+    def __getitem__(self, grid):
+        def run(**kwargs):
+            self.dispatched.append(kwargs)
+            key = (kwargs["BLOCK"], specialization(kwargs["X"]), specialization(kwargs["n"]))
+            return self.variants.setdefault(key, _Compiled())
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_stream(monkeypatch):
+    monkeypatch.setattr(dispatch, "current_stream", lambda: 7)
+    monkeypatch.setattr(dispatch, "_VARIANTS", {})
+
+
+def test_second_call_skips_the_dispatch_with_every_argument_in_place():
+    kernel, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
+    step = LaunchArgs({"n": 32, "num_warps": 4})
+    layer = LaunchArgs({"BLOCK": 64})
+    assert launch(kernel, (3, 2), (step, layer), {"X": x, "stride": 5}) is not None
+    assert len(kernel.dispatched) == 1
+    assert launch(kernel, (3, 2), (step, layer), {"X": y, "stride": 7}) is None
+    assert len(kernel.dispatched) == 1  # the variant was known: launched directly
+    (compiled,) = kernel.variants.values()
+    grid, stream, args = compiled.ran[0]
+    # every parameter in the kernel's order, the default where nothing was given
+    assert grid == (3, 2, 1) and stream == 7 and args == (y, 32, 7, 64, 2.0)
+
+
+def test_a_differently_specialised_argument_goes_through_triton_again():
+    kernel = _Kernel()
+    step, layer = LaunchArgs({"n": 32}), LaunchArgs({"BLOCK": 64})
+    x = torch.zeros(64)
+    launch(kernel, (1,), (step, layer), {"X": x, "stride": 16})
+    launch(kernel, (1,), (step, layer), {"X": x[1:], "stride": 16})  # not 16-byte aligned
+    launch(kernel, (1,), (step, layer), {"X": x, "stride": 1})  # == 1 is specialised
+    launch(kernel, (1,), (step, layer), {"X": x.half(), "stride": 16})  # another dtype
+    launch(kernel, (1,), (LaunchArgs({"n": 32}), LaunchArgs({"BLOCK": 32})),
+           {"X": x, "stride": 16})  # another constexpr  # fmt: skip
+    assert len(kernel.dispatched) == 5
+    launch(kernel, (1,), (LaunchArgs({"n": 48}), layer), {"X": x, "stride": 32})
+    assert len(kernel.dispatched) == 5  # 48 and 32 specialise as 32 and 16 do
+
+
+def test_what_cannot_be_keyed_always_takes_the_dispatch():
+    kernel, x = _Kernel(), torch.zeros(8)
+    opaque = LaunchArgs({"n": 32, "BLOCK": 64, "stride": object()})  # a TMA descriptor, say
+    for _ in range(2):
+        launch(kernel, (1,), (opaque,), {"X": x})
+    # a constexpr among the per-call arguments: keyed by value only in a shared group
+    for _ in range(2):
+        launch(kernel, (1,), (LaunchArgs({"n": 32, "stride": 1}),), {"X": x, "BLOCK": 64})
+    assert len(kernel.dispatched) == 4
+
+
+def test_specialization_is_never_coarser_than_tritons():
+    assert specialization(1) != specialization(17)  # == 1
+    assert specialization(16) != specialization(17)  # % 16
+    assert specialization(2**31) != specialization(16)  # 64-bit
+    assert specialization(True) != specialization(1)
+    t = torch.zeros(4, dtype=torch.float32)
+    assert specialization(t) != specialization(t.half()) != specialization(t[1:])
