@@ -202,6 +202,7 @@ def unified_attention_kernel(
     USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
+    TRIM_SPLITS: tl.constexpr,  # fixed key ranges; empty ones neither run nor write
     LAUNCH_DEPENDENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -293,6 +294,12 @@ def unified_attention_kernel(
         per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
         first = tile_lo + split * per_split
         last = tl.minimum(first + per_split, tile_hi)
+    # (the constexpr test alone: the branch is compiled out without TRIM_SPLITS)
+    if TRIM_SPLITS:  # noqa: SIM102
+        # a fixed key range past this block's keys: nothing to write, the reduction
+        # merges only the ranges below each row's last key
+        if first >= last:
+            return
 
     block_table_row = BlockTable + seq.to(tl.int64) * stride_bt
     k_head_offset = kv_head.to(tl.int64) * stride_kh
@@ -324,6 +331,7 @@ def unified_attention_kernel(
     # -- epilogue ------------------------------------------------------------------
     if SPLIT:
         # every split writes, even an empty one (m = -inf, l = 0), for the reduction
+        # (but those TRIM_SPLITS skips, which the reduction does not read)
         part = token_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
         tl.store(PartAcc + part + dims[None, :], acc * v_scale, mask=row_ok[:, None])
         stat = token_row * stride_mt + head * stride_mh + split

@@ -98,6 +98,9 @@ class TritonMetadata(BackendMetadata):
         def kernel(p: PartLaunches) -> str:
             if p.gluon is not None:
                 return f"Gluon sm_90 prefill, {p.gluon.kwargs['TILE_N']}-key tiles"
+            if p.plan.tiles_per_split and not p.plan.ordered_reduction:
+                keys = p.plan.tiles_per_split * p.plan.tile.tile_n
+                return f"{p.plan.tile}, {p.plan.num_splits} split(s) of {keys} keys"
             return f"{p.plan.tile}, {p.plan.num_splits} split(s)"
 
         if len(self.parts) == 1:
@@ -269,6 +272,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 TILE_N=t.tile_n,
                 SPLIT=plan.split,
                 DYNAMIC_SPLITS=plan.dynamic_splits,
+                TRIM_SPLITS=plan.trim_splits,
                 LAUNCH_DEPENDENTS=self.programmatic and plan.split,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,
@@ -287,9 +291,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     PartSum=stat_sum,
                     Sinks=unused,
                     QueryStartLoc=qsl,
+                    SeqLens=seq_lens,
                     NumSplits=num_splits,
                     num_seqs=num_reqs,
                     num_splits=plan.num_splits,
+                    keys_per_split=plan.tiles_per_split * t.tile_n,
                     stride_pt=acc_strides[0],
                     stride_ph=acc_strides[1],
                     stride_ps=acc_strides[2],
@@ -300,6 +306,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     SPLIT_PAD=split_pad,
                     ORDERED=plan.ordered_reduction,
                     DYNAMIC_SPLITS=plan.dynamic_splits,
+                    TRIM_SPLITS=plan.trim_splits,
+                    CAUSAL=s.causal,
                     WAIT_FOR_PRIMARY=self.programmatic,
                     num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
                     # Triton's interpreter takes no launch_pdl

@@ -41,7 +41,7 @@ from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit
-from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy
+from pagedkv.toolkit.split_kv import MAKESPAN_TIE, SplitChoice, SplitPolicy
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
 # Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
@@ -232,6 +232,13 @@ class TilePlan:
     # a CUDA-graph plan whose split count each step chooses (``step_splits``), at most
     # ``num_splits`` (the grid's split axis and the partials' width)
     dynamic_splits: bool = False
+
+    @property
+    def trim_splits(self) -> bool:
+        """Fixed key ranges that balance a ragged batch (not the batch-invariant mode's,
+        whose order-preserving reduction reads every split): a range past a query
+        block's keys is skipped, and each row merges only the ranges below its keys."""
+        return self.tiles_per_split > 0 and not self.ordered_reduction
 
 
 # -- rows ------------------------------------------------------------------------------
@@ -586,8 +593,12 @@ def plan_tiles(
         most = graph_split_limit(layer, step, tile, block_q, num_sms, fit)
         return TilePlan(tile, block_q, most, most > 1, 0, False, dynamic_splits=most > 1)
     else:
-        choice = makespan_splits(layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit)
-    return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, 0, False)
+        choice = makespan_splits(
+            layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
+            key_ranges=not bounded,
+        )  # fmt: skip
+    tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
+    return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
 
 
 def partial_bytes_per_split(layer: LayerShape, tokens: int) -> int:
@@ -659,13 +670,18 @@ def makespan_splits(
     bounded: bool = False,
     max_splits: int | None = None,
     fit: FitSource | None = None,
+    key_ranges: bool = False,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
     Decode-like steps may split up to the policy's maximum (or ``max_splits``); longer
     queries (chunked prefills) too, as far as their partial results stay within
     ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
-    sized for decode-like steps)."""
+    sized for decode-like steps). ``key_ranges``: a split may also be a fixed key range
+    of every sequence (``SplitPolicy.key_ranges_by_makespan``), which balances a ragged
+    batch, when the estimate says it is faster than even shares by more than a tie
+    (not with a sliding window: a range is absolute, the grid would have to cover the
+    keys before the window)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits
@@ -680,16 +696,21 @@ def makespan_splits(
     # the reduction writes and reads each split's partials once, in the time the
     # split grid's slots stream this many keys
     key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
-    return SPLIT_POLICY.choose_by_makespan(
-        program_keys(layer, step, block_q),
-        slots,
-        granule=tile.tile_n,
-        overhead_keys=PROGRAM_OVERHEAD_KEYS,
-        merge_keys_per_split=2 * split_bytes / key_bytes,
-        max_splits=limit,
-        copies=layer.num_kv_heads,
+    keys = program_keys(layer, step, block_q)
+    merge = 2 * split_bytes / key_bytes
+    choice, estimate = SPLIT_POLICY.even_splits_by_makespan(
+        keys, slots, granule=tile.tile_n, overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=merge, max_splits=limit, copies=layer.num_kv_heads,
         split_slots=split_slots,
-    )
+    )  # fmt: skip
+    if key_ranges and limit > 1 and layer.window is None:
+        ranged, ranged_estimate = SPLIT_POLICY.key_ranges_by_makespan(
+            keys, split_slots, granule=tile.tile_n, overhead_keys=PROGRAM_OVERHEAD_KEYS,
+            merge_keys_per_split=merge, max_splits=limit, copies=layer.num_kv_heads,
+        )  # fmt: skip
+        if ranged_estimate < estimate * (1 - MAKESPAN_TIE):
+            return ranged
+    return choice
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

@@ -9,6 +9,9 @@ overlap until it needs the partials. With ``DYNAMIC_SPLITS``
 the split count is read from ``NumSplits`` on the device (a CUDA-graph plan, whose
 count changes from step to step within the partials' width).
 
+``TRIM_SPLITS`` (splits of fixed key ranges): a row merges only the ranges below its
+last visible key, the only ones the attention kernel wrote for it.
+
 ``ORDERED`` merges split by split, in split order: a row's sums then see the same
 terms in the same order whatever the number of splits of the launch (splits past a
 row's keys add exact zeros), which the batch-invariant mode needs. Otherwise all
@@ -25,8 +28,24 @@ from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
 _LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
 
 
+@triton.jit
+def find_request(QueryStartLoc, token, num_seqs):
+    """The request owning query row ``token`` (an absolute row index)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(QueryStartLoc + mid + 1) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 # step-dependent scalars of scalar address arithmetic: one compiled variant for all
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_mt", "stride_mh"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "keys_per_split", "stride_mt", "stride_mh"]
+)
 def reduce_splits_kernel(
     Out,  # [T, Hq, HEAD_SIZE]
     PartAcc,  # [T, Hq, splits, HEAD_PAD] fp32
@@ -34,9 +53,11 @@ def reduce_splits_kernel(
     PartSum,  # [T, Hq, splits] fp32
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
+    SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
     NumSplits,  # [1] int32 (DYNAMIC_SPLITS)
     num_seqs,
     num_splits,
+    keys_per_split,  # TRIM_SPLITS: split s holds keys [s, s + 1) * keys_per_split
     stride_ot,
     stride_oh,
     stride_pt,
@@ -50,6 +71,8 @@ def reduce_splits_kernel(
     USE_SINKS: tl.constexpr,
     ORDERED: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
+    TRIM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr,
     WAIT_FOR_PRIMARY: tl.constexpr,
 ):
     # a launch over a part of the step: its tokens start at its first request's
@@ -60,6 +83,14 @@ def reduce_splits_kernel(
     token = token.to(tl.int64)
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
+    if TRIM_SPLITS:
+        # only the key ranges below this row's last key were written (no window here)
+        seq = find_request(QueryStartLoc, token, num_seqs)
+        seq_len = tl.load(SeqLens + seq)
+        key_hi = seq_len
+        if CAUSAL:
+            key_hi = seq_len - tl.load(QueryStartLoc + seq + 1) + token + 1
+        num_splits = tl.minimum(num_splits, tl.cdiv(key_hi, keys_per_split))
     if WAIT_FOR_PRIMARY:
         # launched as a programmatic dependent: the partials are complete only after this
         # (what was read above was written before the attention kernel started)

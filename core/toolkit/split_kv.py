@@ -54,6 +54,9 @@ def num_sms(device: torch.device | str) -> int:
 class SplitChoice:
     num_splits: int  # programs per query tile along the keys
     keys_per_split: int  # a multiple of the caller's granule; the last split may be shorter
+    # split s takes keys [s, s + 1) * keys_per_split of every sequence (a short one's
+    # last splits are empty), not an even share of each sequence's keys
+    fixed_ranges: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,26 @@ class SplitPolicy:
         best win.
         Candidates keep at least ``min_keys_per_split`` keys per split of the longest
         program, and at most ``max_splits`` (default: the policy's)."""
+        choice, _ = self.even_splits_by_makespan(
+            keys, slots, granule=granule, overhead_keys=overhead_keys,
+            merge_keys_per_split=merge_keys_per_split, max_splits=max_splits, copies=copies,
+            split_slots=split_slots,
+        )  # fmt: skip
+        return choice
+
+    def even_splits_by_makespan(
+        self,
+        keys: np.ndarray,
+        slots: int,
+        *,
+        granule: int,
+        overhead_keys: float,
+        merge_keys_per_split: float = 0.0,
+        max_splits: int | None = None,
+        copies: int = 1,
+        split_slots: int | None = None,
+    ) -> tuple[SplitChoice, float]:
+        """``choose_by_makespan``'s choice and its estimated time (in keys)."""
         keys = np.asarray(keys, dtype=np.float64)
         longest = float(keys.max(initial=0.0))
         limit = min(max_splits or self.max_splits, self.max_splits)
@@ -144,21 +167,65 @@ class SplitPolicy:
             np.ceil(steps[None, :] / candidates[:, None]) * granule + overhead_keys
         )  # [S, P]
         grid_slots = np.where(candidates > 1, split_slots or slots, slots).clip(min=1)
-        total = per_program.sum(axis=1) * (candidates * copies / grid_slots)
-        longest_program = per_program.max(axis=1, initial=0.0)
-        programs = len(keys) * candidates * copies
-        last_wave = programs % grid_slots
-        # a thin last wave leaves slots (and bandwidth) idle for up to a program's time
-        thin = np.where(last_wave == 0, 0.0, 1.0 - last_wave / grid_slots) * longest_program
-        # a program much longer than the others may start late and end alone
-        mean_program = per_program.sum(axis=1) / max(1, per_program.shape[1])
-        ragged = RAGGED_TAIL_SHARE * (longest_program - mean_program)
-        tail = np.where(programs <= grid_slots, 0.0, np.maximum(thin, ragged))
-        estimate = np.maximum(total, longest_program) + tail
+        estimate = _grid_time(
+            per_program.sum(axis=1) * candidates * copies,
+            per_program.max(axis=1, initial=0.0),
+            len(keys) * candidates * copies,
+            grid_slots,
+        )
         estimate += np.where(candidates > 1, candidates * merge_keys_per_split, 0.0)
         best = estimate.min()
-        splits = int(candidates[np.argmax(estimate <= best * (1 + MAKESPAN_TIE))])
-        return self._choice(splits, int(longest), granule)
+        pick = int(np.argmax(estimate <= best * (1 + MAKESPAN_TIE)))
+        return self._choice(int(candidates[pick]), int(longest), granule), float(estimate[pick])
+
+    def key_ranges_by_makespan(
+        self,
+        keys: np.ndarray,
+        slots: int,
+        *,
+        granule: int,
+        overhead_keys: float,
+        merge_keys_per_split: float = 0.0,
+        max_splits: int | None = None,
+        copies: int = 1,
+    ) -> tuple[SplitChoice, float]:
+        """Splits as fixed key ranges, the way FlashInfer balances a ragged batch: every
+        program takes ``keys_per_split`` keys of its sequence (the last of a sequence
+        fewer), so a long sequence gets many programs and a short one few; the grid's
+        split axis is the longest sequence's count, and the other sequences' programs
+        past their keys exit at once (each still costs ``overhead_keys``). Returns the
+        range that minimises the same estimate as ``choose_by_makespan`` (ranges of at
+        least ``min_keys_per_split`` keys, powers of two times ``granule``, at most
+        ``max_splits`` per sequence) and that estimate, for a split grid (``slots``)."""
+        keys = np.asarray(keys, dtype=np.float64)
+        steps = np.ceil(keys / granule)  # [P]
+        most = float(steps.max(initial=0.0))
+        limit = min(max_splits or self.max_splits, self.max_splits)
+        least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
+        ranges = []  # inner steps per split
+        r = 1 << max(0, (least - 1).bit_length())
+        # like even shares: no split unless the longest sequence holds two minimal ones
+        while r < most and most * granule >= 2 * self.min_keys_per_split:
+            ranges.append(r)
+            r *= 2
+        if not ranges:
+            return SplitChoice(1, int(most * granule)), float("inf")
+        per_range = np.array(ranges, dtype=np.float64)[:, None]  # [R, 1]
+        pieces = np.ceil(steps[None, :] / per_range)  # [R, P] programs with keys
+        splits = np.ceil(most / per_range[:, 0])  # [R] the grid's split axis
+        programs = len(keys) * splits * copies
+        work = (steps.sum() * granule + pieces.sum(axis=1) * overhead_keys) * copies
+        work += (programs - pieces.sum(axis=1) * copies) * overhead_keys  # empty ones
+        estimate = _grid_time(
+            work, np.minimum(per_range[:, 0], most) * granule + overhead_keys, programs,
+            np.full(len(ranges), max(1, slots)),
+        )  # fmt: skip
+        estimate += splits * merge_keys_per_split
+        pick = int(np.argmin(estimate))
+        return (
+            SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
+            float(estimate[pick]),
+        )
 
     @staticmethod
     def _choice(splits: int, max_seq_len: int, granule: int) -> SplitChoice:
@@ -167,6 +234,23 @@ class SplitPolicy:
         keys = cdiv(cdiv(max_seq_len, splits), granule) * granule
         # no split is empty for the longest sequence
         return SplitChoice(cdiv(max_seq_len, keys), keys)
+
+
+def _grid_time(
+    work: np.ndarray, longest: np.ndarray, programs: np.ndarray, slots: np.ndarray
+) -> np.ndarray:
+    """The makespan estimate of grids (one per entry) whose programs stream ``work``
+    keys between them, the longest ``longest``: list scheduling's bound (the work over
+    the slots, or the longest program), plus a tail when the grid takes several waves:
+    the larger of the idle share of a thin last wave times the longest program, and
+    ``RAGGED_TAIL_SHARE`` times the longest program's excess over the mean."""
+    programs = np.asarray(programs, dtype=np.float64)
+    mean = work / np.maximum(programs, 1)
+    last_wave = programs % slots
+    thin = np.where(last_wave == 0, 0.0, 1.0 - last_wave / slots) * longest
+    ragged = RAGGED_TAIL_SHARE * (longest - mean)
+    tail = np.where(programs <= slots, 0.0, np.maximum(thin, ragged))
+    return np.maximum(work / slots, longest) + tail
 
 
 # Split counts the makespan rule compares (each a whole number of even shares; between
