@@ -473,14 +473,16 @@ def test_reserved_decode_steps_choose_their_own_splits():
     step within the bounds may take, and each step's own split count is written where
     the kernels read it: a lone long request splits, a full batch of short ones does
     not, and both attend as eager steps do."""
-    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=160, max_query_len=1)
-    builder, eager_builder, impl, cache = _reserved(bounds, 200)
+    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=320, max_query_len=1)
+    builder, eager_builder, impl, cache = _reserved(bounds, 400)
     gen = torch.Generator().manual_seed(0)
-    seen, chosen, first = None, [], None
+    seen, chosen, first, ranged = None, [], None, []
+    short = [list(range(378 + 3 * i, 381 + 3 * i)) for i in range(6)]
     for seq_lens, blocks in (
         ([2500], [list(range(1, 158))]),  # one long request: many splits
         ([40] * 8, [[2 * i + 1, 2 * i + 2, 2 * i + 3] for i in range(8)]),  # short ones
-        ([700, 33, 1500], [list(range(1, 45)), [50, 51, 52], list(range(60, 154))]),
+        # one long request among shorter ones: fixed key ranges
+        ([5020, 1000, *[40] * 6], [list(range(1, 315)), list(range(315, 378)), *short]),
     ):
         common = CommonAttentionMetadata.from_requests(
             seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
@@ -490,7 +492,12 @@ def test_reserved_decode_steps_choose_their_own_splits():
         assert plan.dynamic_splits and plan.num_splits > 1
         num_splits = md.parts[0].attention.kwargs["NumSplits"]
         assert num_splits is md.parts[0].reduce.kwargs["NumSplits"]
-        assert num_splits.tolist() == [md.step_splits] and 1 <= md.step_splits <= plan.num_splits
+        splits, tiles, keys = num_splits.tolist()
+        assert splits == md.step_splits and 1 <= md.step_splits <= plan.num_splits
+        choice = md.step_choice  # even shares (0) or fixed key ranges of whole tiles
+        assert (tiles, keys) == ((0, 0) if not choice.fixed_ranges else
+                                 (keys // plan.tile.tile_n, choice.keys_per_split))  # fmt: skip
+        ranged.append(choice.fixed_ranges)
         buffers = [num_splits, *(md.parts[0].attention.kwargs[k] for k in ("PartAcc", "PartMax"))]
         now = (plan, md.parts[0].attention.grid, [b.data_ptr() for b in buffers])
         assert seen is None or now == seen
@@ -505,7 +512,10 @@ def test_reserved_decode_steps_choose_their_own_splits():
         want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
     assert chosen[0] > chosen[1] == 1, chosen  # the lone long request splits, the batch not
-    assert "of at most" in md.describe()
+    # the ragged step balances its requests with fixed key ranges, inside the same graph
+    # (a lone request's ranges and even shares are the same cut: either may be taken)
+    assert ranged[1:] == [False, True], ranged
+    assert "keys of at most" in md.describe()
 
 
 # -- bad metadata is refused or honoured, never read wrongly ---------------------------------

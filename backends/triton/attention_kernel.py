@@ -14,8 +14,8 @@ writes an unnormalised partial result that ``reduce_kernel`` merges: an even sha
 of the visited tiles (``tiles_per_split = 0``), or the fixed key range
 ``[s, s + 1) * tiles_per_split * TILE_N`` of the sequence, which makes a row's
 arithmetic independent of the rest of the batch (the batch-invariant mode). With
-``DYNAMIC_SPLITS`` (a CUDA-graph plan) the split count is read from ``NumSplits`` on
-the device, written by each step's build: the grid's split axis is the most the
+``DYNAMIC_SPLITS`` (a CUDA-graph plan) the split count (and the fixed range, if the
+step takes ranges) is read from ``NumSplits`` on the device, written by each step's build: the grid's split axis is the most the
 reservation allows, and the splits past the step's count exit at once.
 """
 
@@ -165,7 +165,7 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
-    NumSplits,  # [1] int32: this step's split count (DYNAMIC_SPLITS)
+    NumSplits,  # [3] int32: this step's splits, tiles and keys per range (DYNAMIC_SPLITS)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
     softcap,
@@ -220,7 +220,9 @@ def unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DYNAMIC_SPLITS:
+        # this step's (splits, tiles per fixed key range or 0 for even shares)
         num_splits = tl.load(NumSplits)
+        tiles_per_split = tl.load(NumSplits + 1)
         if split >= num_splits:
             return
     else:
@@ -297,8 +299,8 @@ def unified_attention_kernel(
     # (the constexpr test alone: the branch is compiled out without TRIM_SPLITS)
     if TRIM_SPLITS:  # noqa: SIM102
         # a fixed key range past this block's keys: nothing to write, the reduction
-        # merges only the ranges below each row's last key
-        if first >= last:
+        # merges only the ranges below each row's last key (even shares write them all)
+        if (first >= last) & (tiles_per_split > 0):
             return
 
     block_table_row = BlockTable + seq.to(tl.int64) * stride_bt

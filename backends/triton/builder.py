@@ -42,7 +42,7 @@ from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import KernelLaunch, programmatic_launch
-from pagedkv.toolkit.split_kv import num_sms
+from pagedkv.toolkit.split_kv import SplitChoice, num_sms
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,13 @@ class TritonMetadata(BackendMetadata):
 
     layer: LayerShape  # the layer shape the plan was made for
     parts: tuple[PartLaunches, ...]
-    # this step's split count under a CUDA-graph plan that chooses it per step (the
-    # kernels read it from the device; ``parts`` hold the most the plan allows)
-    step_splits: int | None = None
+    # this step's splits under a CUDA-graph plan that chooses them per step (the
+    # kernels read them from the device; ``parts`` hold the most the plan allows)
+    step_choice: SplitChoice | None = None
+
+    @property
+    def step_splits(self) -> int | None:
+        return None if self.step_choice is None else self.step_choice.num_splits
 
     @property
     def plan(self) -> TilePlan:
@@ -91,9 +95,10 @@ class TritonMetadata(BackendMetadata):
         return max(p.plan.num_splits for p in self.parts)
 
     def describe(self) -> str:
-        if self.step_splits is not None:
-            plan = self.parts[0].plan
-            return f"{plan.tile}, {self.step_splits} of at most {plan.num_splits} split(s)"
+        if self.step_choice is not None:
+            plan, choice = self.parts[0].plan, self.step_choice
+            ranges = f" of {choice.keys_per_split} keys" if choice.fixed_ranges else ""
+            return f"{plan.tile}, {choice.num_splits}{ranges} of at most {plan.num_splits} split(s)"
 
         def kernel(p: PartLaunches) -> str:
             if p.gluon is not None:
@@ -176,12 +181,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         chosen, num_splits = None, unused
         if parts[0].plan.dynamic_splits:
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
-            # written where the captured kernels read them
+            # written where the captured kernels read them: the count, and the tiles and
+            # keys of a fixed range (0: even shares)
             chosen = step_splits(
                 layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits
             )
-            num_splits = self.scratch("num_splits", (1,), torch.int32)
-            num_splits.copy_(torch.tensor([chosen], dtype=torch.int32), non_blocking=True)
+            tile_n = parts[0].plan.tile.tile_n
+            tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
+            num_splits = self.scratch("num_splits", (3,), torch.int32)
+            shape = torch.tensor([chosen.num_splits, tiles, tiles * tile_n], dtype=torch.int32)
+            num_splits.copy_(shape, non_blocking=True)
         whole = len(parts) == 1
         launches = tuple(
             self._part_launches(

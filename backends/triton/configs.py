@@ -237,8 +237,9 @@ class TilePlan:
     def trim_splits(self) -> bool:
         """Fixed key ranges that balance a ragged batch (not the batch-invariant mode's,
         whose order-preserving reduction reads every split): a range past a query
-        block's keys is skipped, and each row merges only the ranges below its keys."""
-        return self.tiles_per_split > 0 and not self.ordered_reduction
+        block's keys is skipped, and each row merges only the ranges below its keys.
+        A CUDA-graph plan's steps may take ranges (``step_splits``): the kernels check."""
+        return (self.tiles_per_split > 0 or self.dynamic_splits) and not self.ordered_reduction
 
 
 # -- rows ------------------------------------------------------------------------------
@@ -631,13 +632,14 @@ def step_splits(
     plan: TilePlan,
     num_sms: int,
     fit: FitSource | None = None,
-) -> int:
+) -> SplitChoice:
     """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
-    rule over the step's own requests, with the plan's tile, at most the plan's width."""
-    choice = makespan_splits(
-        layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit
-    )
-    return choice.num_splits
+    rule over the step's own requests (even shares or fixed key ranges), with the
+    plan's tile, at most the plan's width."""
+    return makespan_splits(
+        layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit,
+        key_ranges=True,
+    )  # fmt: skip
 
 
 def program_keys(layer: LayerShape, step: StepShape, block_q: int) -> np.ndarray:

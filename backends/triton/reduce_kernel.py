@@ -54,7 +54,7 @@ def reduce_splits_kernel(
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
-    NumSplits,  # [1] int32 (DYNAMIC_SPLITS)
+    NumSplits,  # [3] int32: splits, tiles and keys per fixed range (DYNAMIC_SPLITS)
     num_seqs,
     num_splits,
     keys_per_split,  # TRIM_SPLITS: split s holds keys [s, s + 1) * keys_per_split
@@ -83,14 +83,17 @@ def reduce_splits_kernel(
     token = token.to(tl.int64)
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
+        keys_per_split = tl.load(NumSplits + 2)
     if TRIM_SPLITS:
-        # only the key ranges below this row's last key were written (no window here)
+        # fixed key ranges (keys_per_split > 0): only those below this row's last key
+        # were written (no window here)
         seq = find_request(QueryStartLoc, token, num_seqs)
         seq_len = tl.load(SeqLens + seq)
         key_hi = seq_len
         if CAUSAL:
             key_hi = seq_len - tl.load(QueryStartLoc + seq + 1) + token + 1
-        num_splits = tl.minimum(num_splits, tl.cdiv(key_hi, keys_per_split))
+        trimmed = tl.cdiv(key_hi, tl.maximum(keys_per_split, 1))
+        num_splits = tl.where(keys_per_split > 0, tl.minimum(num_splits, trimmed), num_splits)
     if WAIT_FOR_PRIMARY:
         # launched as a programmatic dependent: the partials are complete only after this
         # (what was read above was written before the attention kernel started)
