@@ -153,6 +153,14 @@ def _variants() -> list[Variant]:
         label = "graph-decode-dynamic-splits" + "".join(f"-{k}" for k in changes)
         scenario = BASE.replace(seq_lens=(4000, 40), **changes)
         out.append(Variant(label, scenario, bounds=decode_bounds))
+    # fixed key ranges (a ragged batch, which the rule cuts so on the CPU's stand-in SM
+    # count): the trimmed kernels, causal and not, with sinks
+    # (GQA 4, D 128: the H200's ragged-decode tile, m16-n64)
+    ragged = dict(seq_lens=(3000, 40, 100, 70), query_lens=(1, 1, 3, 1), num_heads=8,
+                  num_kv_heads=2)  # fmt: skip
+    for changes in ({}, dict(causal=False), dict(use_sinks=True, logits_soft_cap=30.0)):
+        label = "ranges" + "".join(f"-{k}" for k in changes)
+        out.append(Variant(label, BASE.replace(**ragged, **changes)))
     out.append(
         Variant(
             "invariant-sinks",
@@ -231,6 +239,13 @@ def test_every_launched_variant_compiles_for_sm90():
     assert not failed, "\n\n".join(failed)
     kernels = {label.split(":")[1] for label in labels}
     assert {"unified_attention_kernel", "reduce_splits_kernel", "write_kv_kernel"} <= kernels
+    # both split forms of fixed key ranges: a static plan's and a CUDA-graph step's
+    trimmed = {
+        bool(launch.kwargs["DYNAMIC_SPLITS"])
+        for launch in launches
+        if launch.kwargs.get("TRIM_SPLITS") and "SPLIT" in launch.kwargs
+    }
+    assert trimmed == {False, True}, trimmed
     # register spills (known when ptxas ran, i.e. not served from Triton's cache)
     spilled = [str(r) for r in results if r.spill_bytes]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
