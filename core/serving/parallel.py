@@ -147,6 +147,10 @@ def _rank_main(
         if tp.is_driver:
             with open(out, "wb") as f:
                 pickle.dump(result, f)
+        # no rank tears its group down while another still talks to it: a gloo rank
+        # whose peer had exited aborted in its background thread (SIGABRT, seen once in
+        # CI). A rank that raised skips this; the spawn then stops the waiting ones.
+        dist.barrier()
     except PagedKVError as exc:  # relayed to the caller as itself
         with open(f"{out}.error{rank}", "wb") as f:
             pickle.dump(exc, f)
