@@ -41,7 +41,7 @@ from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit
-from pagedkv.toolkit.split_kv import MAKESPAN_TIE, SplitChoice, SplitPolicy
+from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
 # Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
@@ -680,8 +680,7 @@ def makespan_splits(
     queries (chunked prefills) too, as far as their partial results stay within
     ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
     sized for decode-like steps). ``key_ranges``: a split may also be a fixed key range
-    of every sequence (``SplitPolicy.key_ranges_by_makespan``), which balances a ragged
-    batch, when the estimate says it is faster than even shares by more than a tie
+    of every sequence (the toolkit rule's ``key_ranges``), which balances a ragged batch
     (not with a sliding window: a range is absolute, the grid would have to cover the
     keys before the window)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
@@ -698,21 +697,17 @@ def makespan_splits(
     # the reduction writes and reads each split's partials once, in the time the
     # split grid's slots stream this many keys
     key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
-    keys = program_keys(layer, step, block_q)
-    merge = 2 * split_bytes / key_bytes
-    choice, estimate = SPLIT_POLICY.even_splits_by_makespan(
-        keys, slots, granule=tile.tile_n, overhead_keys=PROGRAM_OVERHEAD_KEYS,
-        merge_keys_per_split=merge, max_splits=limit, copies=layer.num_kv_heads,
+    return SPLIT_POLICY.choose_by_makespan(
+        program_keys(layer, step, block_q),
+        slots,
+        granule=tile.tile_n,
+        overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=2 * split_bytes / key_bytes,
+        max_splits=limit,
+        copies=layer.num_kv_heads,
         split_slots=split_slots,
-    )  # fmt: skip
-    if key_ranges and limit > 1 and layer.window is None:
-        ranged, ranged_estimate = SPLIT_POLICY.key_ranges_by_makespan(
-            keys, split_slots, granule=tile.tile_n, overhead_keys=PROGRAM_OVERHEAD_KEYS,
-            merge_keys_per_split=merge, max_splits=limit, copies=layer.num_kv_heads,
-        )  # fmt: skip
-        if ranged_estimate < estimate * (1 - MAKESPAN_TIE):
-            return ranged
-    return choice
+        key_ranges=key_ranges and layer.window is None,
+    )
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

@@ -114,12 +114,15 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             "stride_ot": os_[0], "stride_oh": os_[1],
         }  # fmt: skip
         reduce_call = {"Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
+        layer_args = None
         for part in md.parts:
             if part.gluon is not None and gluon_cache is not None:
                 layer = self._gluon_layer_args
                 yield part.gluon.launch(query, output, layer, gluon_cache), (), {}
                 continue
-            attention, reduce = self._layer_launch_args(query.device, kv_cache)
+            if layer_args is None:
+                layer_args = self._layer_launch_args(query.device, kv_cache)
+            attention, reduce = layer_args
             yield part.attention, (attention,), attention_call
             if part.reduce is not None:
                 yield part.reduce, (reduce,), reduce_call

@@ -115,6 +115,7 @@ class SplitPolicy:
         max_splits: int | None = None,
         copies: int = 1,
         split_slots: int | None = None,
+        key_ranges: bool = False,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -136,37 +137,48 @@ class SplitPolicy:
         and a full one does not split. The fewest splits within ``MAKESPAN_TIE`` of the
         best win.
         Candidates keep at least ``min_keys_per_split`` keys per split of the longest
-        program, and at most ``max_splits`` (default: the policy's)."""
-        choice, _ = self.even_splits_by_makespan(
-            keys, slots, granule=granule, overhead_keys=overhead_keys,
-            merge_keys_per_split=merge_keys_per_split, max_splits=max_splits, copies=copies,
-            split_slots=split_slots,
-        )  # fmt: skip
-        return choice
+        program, and at most ``max_splits`` (default: the policy's).
 
-    def even_splits_by_makespan(
+        ``key_ranges``: splits may also be fixed key ranges, the way FlashInfer balances
+        a ragged batch: every program takes ``keys_per_split`` keys of its sequence (the
+        last of a sequence fewer), so a long sequence gets many programs and a short one
+        few; the grid's split axis is the longest sequence's count, and the other
+        sequences' programs past their keys exit at once (each still costs
+        ``overhead_keys``). Ranges are powers of two times ``granule``, of at least
+        ``min_keys_per_split`` keys, at most ``max_splits`` per sequence; the best of
+        them is taken (``SplitChoice.fixed_ranges``) when its estimate beats even
+        shares' by more than ``MAKESPAN_TIE``."""
+        keys = np.asarray(keys, dtype=np.float64)
+        limit = min(max_splits or self.max_splits, self.max_splits)
+        split_slots = split_slots or slots
+        costs = (granule, overhead_keys, merge_keys_per_split, copies)
+        even, even_time = self._even_shares(keys, slots, split_slots, limit, *costs)
+        if key_ranges and limit > 1:
+            ranged, ranged_time = self._key_ranges(keys, split_slots, limit, *costs)
+            if ranged_time < even_time * (1 - MAKESPAN_TIE):
+                return ranged
+        return even
+
+    def _even_shares(
         self,
         keys: np.ndarray,
         slots: int,
-        *,
+        split_slots: int,
+        limit: int,
         granule: int,
         overhead_keys: float,
-        merge_keys_per_split: float = 0.0,
-        max_splits: int | None = None,
-        copies: int = 1,
-        split_slots: int | None = None,
+        merge_keys_per_split: float,
+        copies: int,
     ) -> tuple[SplitChoice, float]:
-        """``choose_by_makespan``'s choice and its estimated time (in keys)."""
-        keys = np.asarray(keys, dtype=np.float64)
+        """``choose_by_makespan``'s even shares and their estimated time (in keys)."""
         longest = float(keys.max(initial=0.0))
-        limit = min(max_splits or self.max_splits, self.max_splits)
         limit = max(1, min(limit, int(longest) // self.min_keys_per_split))
         candidates = np.array([s for s in _SPLIT_CANDIDATES if s <= limit] or [1])
         steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
         per_program = (
             np.ceil(steps[None, :] / candidates[:, None]) * granule + overhead_keys
         )  # [S, P]
-        grid_slots = np.where(candidates > 1, split_slots or slots, slots).clip(min=1)
+        grid_slots = np.where(candidates > 1, split_slots, slots).clip(min=1)
         estimate = _grid_time(
             per_program.sum(axis=1) * candidates * copies,
             per_program.max(axis=1, initial=0.0),
@@ -178,29 +190,20 @@ class SplitPolicy:
         pick = int(np.argmax(estimate <= best * (1 + MAKESPAN_TIE)))
         return self._choice(int(candidates[pick]), int(longest), granule), float(estimate[pick])
 
-    def key_ranges_by_makespan(
+    def _key_ranges(
         self,
         keys: np.ndarray,
         slots: int,
-        *,
+        limit: int,
         granule: int,
         overhead_keys: float,
-        merge_keys_per_split: float = 0.0,
-        max_splits: int | None = None,
-        copies: int = 1,
+        merge_keys_per_split: float,
+        copies: int,
     ) -> tuple[SplitChoice, float]:
-        """Splits as fixed key ranges, the way FlashInfer balances a ragged batch: every
-        program takes ``keys_per_split`` keys of its sequence (the last of a sequence
-        fewer), so a long sequence gets many programs and a short one few; the grid's
-        split axis is the longest sequence's count, and the other sequences' programs
-        past their keys exit at once (each still costs ``overhead_keys``). Returns the
-        range that minimises the same estimate as ``choose_by_makespan`` (ranges of at
-        least ``min_keys_per_split`` keys, powers of two times ``granule``, at most
-        ``max_splits`` per sequence) and that estimate, for a split grid (``slots``)."""
-        keys = np.asarray(keys, dtype=np.float64)
+        """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
+        and its estimated time (in keys); an infinite time when none applies."""
         steps = np.ceil(keys / granule)  # [P]
         most = float(steps.max(initial=0.0))
-        limit = min(max_splits or self.max_splits, self.max_splits)
         least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
         ranges = []  # inner steps per split
         r = 1 << max(0, (least - 1).bit_length())
