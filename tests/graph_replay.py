@@ -42,6 +42,18 @@ MIXED_STEPS = [
     Scenario("mixed-b-decodes", seq_lens=(100, 3, 77), query_lens=(1, 1, 1), seed=1),
     Scenario("mixed-c-prefill", seq_lens=(48, 41, 2, 4100, 9), query_lens=(48, 0, 2, 1, 9), seed=2),
 ]  # fmt: skip
+# Mixed steps of every composition a backend that launches decodes and longer requests
+# apart must handle within MIXED_BOUNDS: decodes first or after the chunk (whose
+# partials then start past the chunk's rows), decodes only, kinds interleaved
+MIXED_PART_STEPS = [
+    Scenario("parts-a-decodes-first", seq_lens=(4000, 33, 700, 96), query_lens=(1, 1, 3, 40),
+             num_padding_tokens=2),
+    Scenario("parts-b-chunk-first", seq_lens=(300, 2500, 17, 1200), query_lens=(48, 1, 1, 1),
+             seed=1),
+    Scenario("parts-c-decodes-only", seq_lens=(4100, 60), query_lens=(1, 1), seed=2),
+    Scenario("parts-d-interleaved", seq_lens=(50, 900, 33, 128), query_lens=(1, 20, 1, 16),
+             seed=3),
+]  # fmt: skip
 
 
 def replay_errors(

@@ -492,7 +492,8 @@ def test_reserved_decode_steps_choose_their_own_splits():
         assert plan.dynamic_splits and plan.num_splits > 1
         num_splits = md.parts[0].attention.kwargs["NumSplits"]
         assert num_splits is md.parts[0].reduce.kwargs["NumSplits"]
-        splits, tiles, keys = num_splits.tolist()
+        splits, tiles, keys, partial_first = num_splits.tolist()
+        assert partial_first == 0  # a pure-decode step's partials: the step's rows
         assert splits == md.step_splits and 1 <= md.step_splits <= plan.num_splits
         choice = md.step_choice  # even shares (0) or fixed key ranges of whole tiles
         assert (tiles, keys) == ((0, 0) if not choice.fixed_ranges else
@@ -516,6 +517,63 @@ def test_reserved_decode_steps_choose_their_own_splits():
     # (a lone request's ranges and even shares are the same cut: either may be taken)
     assert ranged[1:] == [False, True], ranged
     assert "keys of at most" in md.describe()
+
+
+def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
+    """Under bounds that allow chunk-length queries a step runs as two captured launches:
+    its decode-like run (with its own splits) and its run of longer requests, each
+    copied into its launch's persistent buffers. Whatever the composition (decodes
+    first or last, only one kind, kinds interleaved: all to the longer launch), every
+    step keeps the grids and buffers of the first and attends as an eager step does."""
+    bounds = GraphBounds(max_num_reqs=5, max_num_tokens=48, max_blocks_per_req=160,
+                         max_query_len=24)  # fmt: skip
+    builder, eager_builder, impl, cache = _reserved(bounds, 200)
+    gen = torch.Generator().manual_seed(0)
+
+    def pages(*lens):
+        start, rows = 1, []
+        for n in lens:
+            rows.append(list(range(start, start + -(-n // 16))))
+            start += len(rows[-1])
+        return rows
+
+    # (seq_lens, query_lens, decode run, longer run); the padding requests up to the
+    # bounds' 5 join the run before them
+    steps = (
+        ((2500, 40, 300, 100), (1, 1, 3, 24), (0, 3), (3, 5)),  # decodes, then a chunk
+        ((64, 2000, 30), (20, 1, 1), (1, 5), (0, 1)),  # a chunk, then decodes
+        ((1200, 17, 90), (1, 1, 1), (0, 5), (5, 5)),  # decodes only
+        ((24, 400), (24, 16), (0, 0), (0, 5)),  # longer requests only
+        ((900, 50, 33, 700), (1, 20, 1, 12), (0, 0), (0, 5)),  # interleaved: one launch
+    )
+    first, seen = None, None
+    for seq_lens, query_lens, decode_run, longer_run in steps:
+        common = CommonAttentionMetadata.from_requests(
+            list(seq_lens), list(query_lens), pages(*seq_lens), 16, DEVICE
+        )
+        md = builder.build(common)
+        decodes, longer = md.parts
+        assert (decodes.role, longer.role) == ("decodes", "longer requests")
+        assert (decodes.first, decodes.end) == decode_run
+        assert (longer.first, longer.end) == longer_run
+        assert decodes.plan.dynamic_splits and not longer.plan.split
+        num_splits = decodes.attention.kwargs["NumSplits"]
+        # the decodes' partials start at their first token
+        assert num_splits.tolist()[3] == common.query_start_loc_cpu[decode_run[0]]
+        kwargs = [p.attention.kwargs for p in md.parts]
+        buffers = [k[name] for k in kwargs for name in ("QueryStartLoc", "SeqLens", "BlockTable")]
+        buffers += [num_splits, kwargs[0]["PartAcc"]]
+        now = ([p.plan for p in md.parts], [p.attention.grid for p in md.parts],
+               [b.data_ptr() for b in buffers])  # fmt: skip
+        assert seen is None or now == seen
+        seen = now
+        assert md.describe().startswith("graph parts; decodes")
+        n = common.num_tokens
+        q = torch.randn(48, 4, 32, generator=gen).half().to(DEVICE)
+        first = first or md  # an emulated replay of the first step's launches
+        out = impl.forward(q, None, None, cache, first)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3), (query_lens, md.describe())
 
 
 # -- bad metadata is refused or honoured, never read wrongly ---------------------------------

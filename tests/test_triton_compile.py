@@ -153,6 +153,18 @@ def _variants() -> list[Variant]:
         label = "graph-decode-dynamic-splits" + "".join(f"-{k}" for k in changes)
         scenario = BASE.replace(seq_lens=(4000, 40), **changes)
         out.append(Variant(label, scenario, bounds=decode_bounds))
+    # a mixed CUDA-graph step: its decodes' launch (dynamic splits, partials from the
+    # decodes' first token) and its longer requests' (GQA 4, D 128)
+    # (the bounds' tokens: the scenario's, whose query the launches take)
+    mixed_bounds = GraphBounds(max_num_reqs=4, max_num_tokens=42, max_blocks_per_req=256,
+                               max_query_len=40)  # fmt: skip
+    out.append(
+        Variant(
+            "graph-mixed-parts",
+            BASE.replace(seq_lens=(4000, 40, 300), query_lens=(1, 1, 40)),
+            bounds=mixed_bounds,
+        )
+    )
     # fixed key ranges (a ragged batch, which the rule cuts so on the CPU's stand-in SM
     # count): the trimmed kernels, causal and not, with sinks
     # (GQA 4, D 128: the H200's ragged-decode tile, m16-n64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pagedkv
 import pytest
 import torch
+from graph_replay import MIXED_BOUNDS, MIXED_PART_STEPS, replay_errors
 from pagedkv import AttentionSpec, CommonAttentionMetadata, GraphBounds
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.reference import reference_attention
@@ -183,3 +184,14 @@ def test_forwards_after_the_first_skip_tritons_dispatch(monkeypatch):
     misaligned = misaligned.view(4, 8, 128)[:3].copy_(query[:3])
     third = impl.forward(misaligned, None, None, kv_cache, metadata)
     assert len(dispatched) == 3 and torch.equal(first, third)  # the attention's query
+
+
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["plain", "sinks"])
+def test_mixed_graph_replays_decodes_and_longer_requests_apart(use_sinks):
+    """A graph captured on a mixed step (two launches: decodes with their own splits,
+    longer requests with the bounds' tiles, the Gluon kernel where it runs) replayed on
+    steps of every composition, each against the reference."""
+    steps = [s.replace(use_sinks=use_sinks) for s in MIXED_PART_STEPS]
+    results = replay_errors(BACKEND, steps, MIXED_BOUNDS)
+    print("\n".join(f"{name}: max error {err:.3g}" for name, err, _ in results))
+    assert all(ok for _, _, ok in results), results

@@ -15,8 +15,11 @@ of the visited tiles (``tiles_per_split = 0``), or the fixed key range
 ``[s, s + 1) * tiles_per_split * TILE_N`` of the sequence, which makes a row's
 arithmetic independent of the rest of the batch (the batch-invariant mode). With
 ``DYNAMIC_SPLITS`` (a CUDA-graph plan) the split count (and the fixed range, if the
-step takes ranges) is read from ``NumSplits`` on the device, written by each step's build: the grid's split axis is the most the
-reservation allows, and the splits past the step's count exit at once.
+step takes ranges) is read from ``NumSplits`` on the device, written by each step's
+build: the grid's split axis is the most the reservation allows, and the splits past
+the step's count exit at once. So is the first token row of the launch's partials: a
+graph's decode launch of a mixed step writes its partials from row 0, wherever its
+decodes sit among the step's tokens, so the partials are sized for the decodes only.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
-    NumSplits,  # [3] int32: this step's splits, tiles and keys per range (DYNAMIC_SPLITS)
+    NumSplits,  # [4] int32: splits, tiles and keys per range, partials' first token (DYNAMIC_SPLITS)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
     softcap,
@@ -225,8 +228,10 @@ def unified_attention_kernel(
         tiles_per_split = tl.load(NumSplits + 1)
         if split >= num_splits:
             return
+        partial_first = tl.load(NumSplits + 3)
     else:
         num_splits = tl.num_programs(2)
+        partial_first = 0
 
     seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)
@@ -334,9 +339,10 @@ def unified_attention_kernel(
     if SPLIT:
         # every split writes, even an empty one (m = -inf, l = 0), for the reduction
         # (but those TRIM_SPLITS skips, which the reduction does not read)
-        part = token_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
+        part_row = token_row - partial_first
+        part = part_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
         tl.store(PartAcc + part + dims[None, :], acc * v_scale, mask=row_ok[:, None])
-        stat = token_row * stride_mt + head * stride_mh + split
+        stat = part_row * stride_mt + head * stride_mh + split
         tl.store(PartMax + stat, m_i, mask=row_ok)
         tl.store(PartSum + stat, l_i, mask=row_ok)
     else:

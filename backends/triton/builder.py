@@ -10,9 +10,11 @@ so the plan (and the partials, from ``self.scratch``) is the same every step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
@@ -26,6 +28,7 @@ from pagedkv.backends.triton.configs import (
     TilePlan,
     check_forced_splits,
     plan_step,
+    plan_tiles,
     reduce_warps,
     step_splits,
 )
@@ -35,8 +38,14 @@ from pagedkv.backends.triton.gluon_plan import (
     gluon_step_problem,
     plan_gluon_prefill,
 )
-from pagedkv.backends.triton.parts import part_views
+from pagedkv.backends.triton.parts import (
+    PartViews,
+    StagedPart,
+    decode_and_longer_runs,
+    part_views,
+)
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
+from pagedkv.graph import GraphBounds
 from pagedkv.intmath import next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
@@ -57,6 +66,10 @@ class PartLaunches:
     # the Gluon sm_90 prefill kernel's launch for this part, when it runs it (the impl
     # falls back to ``attention`` for a cache TMA cannot read)
     gluon: GluonPrefillStep | None = None
+    # a CUDA-graph step's launch over one kind of request ("decodes", "longer
+    # requests"), whose metadata each step copies into persistent buffers; None: a
+    # launch over the step's own requests [first, end)
+    role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,22 +108,33 @@ class TritonMetadata(BackendMetadata):
         return max(p.plan.num_splits for p in self.parts)
 
     def describe(self) -> str:
-        if self.step_choice is not None:
-            plan, choice = self.parts[0].plan, self.step_choice
-            ranges = f" of {choice.keys_per_split} keys" if choice.fixed_ranges else ""
-            return f"{plan.tile}, {choice.num_splits}{ranges} of at most {plan.num_splits} split(s)"
-
         def kernel(p: PartLaunches) -> str:
             if p.gluon is not None:
                 return f"Gluon sm_90 prefill, {p.gluon.kwargs['TILE_N']}-key tiles"
+            if p.plan.dynamic_splits and self.step_choice is not None:
+                choice = self.step_choice
+                ranges = f" of {choice.keys_per_split} keys" if choice.fixed_ranges else ""
+                return (
+                    f"{p.plan.tile}, {choice.num_splits}{ranges} of at most "
+                    f"{p.plan.num_splits} split(s)"
+                )
             if p.plan.tiles_per_split and not p.plan.ordered_reduction:
                 keys = p.plan.tiles_per_split * p.plan.tile.tile_n
                 return f"{p.plan.tile}, {p.plan.num_splits} split(s) of {keys} keys"
             return f"{p.plan.tile}, {p.plan.num_splits} split(s)"
 
+        def requests(p: PartLaunches) -> str:
+            if p.end <= p.first:
+                return "none"
+            return f"requests {p.first}-{p.end - 1}"
+
         if len(self.parts) == 1:
             return kernel(self.parts[0])
-        return ", ".join(f"requests {p.first}-{p.end - 1}: {kernel(p)}" for p in self.parts)
+        if self.parts[0].role is not None:
+            return "graph parts; " + "; ".join(
+                f"{p.role} ({requests(p)}): {kernel(p)}" for p in self.parts
+            )
+        return ", ".join(f"{requests(p)}: {kernel(p)}" for p in self.parts)
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
@@ -154,6 +178,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         num_splits: int | None = None,
     ) -> TritonMetadata:
         """This step's plan. ``tile`` / ``num_splits`` override the rule (tuning)."""
+        forced = check_forced_splits(num_splits) or self.forced_splits
+        bounds = self.graph_bounds
+        if (
+            bounds is not None
+            and bounds.max_query_len > SPLIT_POLICY.max_query_len
+            and not (self.batch_invariant or tile is not None or forced)
+        ):
+            return self._graph_parts_metadata(common, bounds)
         if self.graph_bounds is not None:
             step = StepShape.of_bounds(common)  # shape-deciding inputs: the bounds only
         else:
@@ -162,7 +194,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self.layer,
             step,
             self.num_sms,
-            forced_splits=check_forced_splits(num_splits) or self.forced_splits,
+            forced_splits=forced,
             batch_invariant=self.batch_invariant,
             tile=tile,
             bounded=self.graph_bounds is not None,
@@ -186,24 +218,106 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             chosen = step_splits(
                 layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits
             )
-            tile_n = parts[0].plan.tile.tile_n
-            tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
-            num_splits = self.scratch("num_splits", (3,), torch.int32)
-            shape = torch.tensor([chosen.num_splits, tiles, tiles * tile_n], dtype=torch.int32)
-            num_splits.copy_(shape, non_blocking=True)
+            num_splits = self._write_step_splits(chosen, parts[0].plan)
         whole = len(parts) == 1
+        if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
+            parts = (dataclasses.replace(parts[0], first=0, end=common.num_reqs),)
         launches = tuple(
             self._part_launches(
-                common,
+                part_views(common, None if whole else (part.first, part.end), part.plan.block_q),
                 part,
                 partials,
-                whole,
                 num_splits,
                 gluon=None if tile is not None else self._gluon_part(common, step, part, whole),
             )
             for part in parts
         )
         return TritonMetadata(common, layer, launches, chosen)
+
+    def _graph_parts_metadata(
+        self, common: CommonAttentionMetadata, bounds: GraphBounds
+    ) -> TritonMetadata:
+        """A step under CUDA-graph bounds that allow chunk-length queries: two launches,
+        planned from the bounds alone. The decode-like requests get a decode plan whose
+        splits each step chooses (as a pure-decode reservation's), the longer ones the
+        bounds' plan (the Gluon kernel where it runs): one launch over both would give
+        the decodes a prefill's tiles and no splits. Each step copies its two runs of
+        requests into the launches' persistent buffers (``decode_and_longer_runs``: a
+        step whose kinds interleave runs whole in the second launch)."""
+        layer, num_sms, fit = self.layer, self.num_sms, self.fits
+        step = StepShape.of(common)  # this step's own requests
+        decode_run, longer_run = decode_and_longer_runs(step.query_lens, SPLIT_POLICY.max_query_len)
+        # the decodes' launch: the bounds' requests, one query each as planned (a
+        # speculative request's up to max_query_len queries take more query blocks)
+        max_reqs, width = bounds.max_num_reqs, common.block_table.shape[1]
+        decode_tokens = min(bounds.max_num_tokens, max_reqs * SPLIT_POLICY.max_query_len)
+        decode_shape = StepShape(
+            np.ones(decode_tokens, np.int64), np.full(decode_tokens, common.max_seq_len, np.int64)
+        )
+        decode_plan = plan_tiles(layer, decode_shape, num_sms, bounded=True, fit=fit)
+        longer_plan = plan_tiles(layer, StepShape.of_bounds(common), num_sms, bounded=True, fit=fit)
+        # (a bounded plan splits decode-like steps only: the longer launch writes the output)
+        assert not longer_plan.split, longer_plan
+        decodes = StagedPart(self.scratch, "decodes", max_reqs, decode_tokens, width)
+        longer = StagedPart(self.scratch, "longer", max_reqs, bounds.max_num_tokens, width)
+        decodes.stage(common, decode_run)
+        longer.stage(common, longer_run)
+        unused = self._unused
+        partials, num_splits, chosen = (unused, unused, unused), unused, None
+        if decode_plan.split:
+            # the decodes' partials from row 0: NumSplits[3] holds their first token
+            shape = (decode_tokens, self.spec.num_heads, decode_plan.num_splits)
+            partials = (
+                self.scratch("partial_acc", (*shape, layer.head_pad), torch.float32),
+                self.scratch("partial_max", shape, torch.float32),
+                self.scratch("partial_sum", shape, torch.float32),
+            )
+            run = step.part(*decode_run)
+            chosen = (
+                step_splits(layer, run, decode_plan, num_sms, fit)
+                if run.max_query_len > 0
+                else SplitChoice(1, decode_plan.tile.tile_n)
+            )
+            num_splits = self._write_step_splits(
+                chosen, decode_plan, int(common.query_start_loc_cpu[decode_run[0]])
+            )
+        gluon = None
+        if self.gluon_problem is None and (
+            gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None
+        ):
+            gluon = plan_gluon_prefill(self.spec, common, staged=longer)
+        launches = (
+            self._part_launches(
+                decodes.views(decode_plan.block_q),
+                StepPart(*decode_run, decode_plan),
+                partials,
+                num_splits,
+                None,
+                role="decodes",
+            ),
+            self._part_launches(
+                longer.views(longer_plan.block_q),
+                StepPart(*longer_run, longer_plan),
+                (unused, unused, unused),
+                unused,
+                gluon,
+                role="longer requests",
+            ),
+        )
+        return TritonMetadata(common, layer, launches, chosen)
+
+    def _write_step_splits(
+        self, chosen: SplitChoice, plan: TilePlan, partial_first: int = 0
+    ) -> torch.Tensor:
+        """The device buffer the captured kernels of a dynamic-split plan read: this
+        step's split count, the tiles and keys of a fixed range (0: even shares) and the
+        token row its partials start at."""
+        tile_n = plan.tile.tile_n
+        tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
+        num_splits = self.scratch("num_splits", (4,), torch.int32)
+        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first]
+        num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
+        return num_splits
 
     def _gluon_part(
         self, common: CommonAttentionMetadata, step: StepShape, part: StepPart, whole: bool
@@ -232,17 +346,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def _part_launches(
         self,
-        common: CommonAttentionMetadata,
+        views: PartViews,
         part: StepPart,
         partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        whole: bool,
         num_splits: torch.Tensor,
         gluon: GluonPrefillStep | None,
+        role: str | None = None,
     ) -> PartLaunches:
-        """The launch templates of one part: its requests' metadata tensors (views from
-        its first request on) and its grid; ``gluon``: its Gluon launch, if it takes one."""
+        """The launch templates of one part: its requests' metadata tensors (``views``)
+        and its grid; ``gluon``: its Gluon launch, if it takes one."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
-        views = part_views(common, None if whole else (part.first, part.end), plan.block_q)
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
         acc, stat_max, stat_sum = partials
@@ -323,5 +436,4 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     **({"launch_pdl": True} if self.programmatic else {}),
                 ),
             )
-        first, end = (0, common.num_reqs) if whole else (part.first, part.end)
-        return PartLaunches(first, end, plan, attention, reduce, gluon)
+        return PartLaunches(part.first, part.end, plan, attention, reduce, gluon, role)

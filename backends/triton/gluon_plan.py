@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pagedkv.backends.triton.parts import part_views
+from pagedkv.backends.triton.parts import StagedPart, part_views
 from pagedkv.errors import UnsupportedError
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
@@ -193,17 +193,19 @@ def plan_gluon_prefill(
     common: CommonAttentionMetadata,
     *,
     requests: tuple[int, int] | None = None,
+    staged: StagedPart | None = None,
     tile_n: int | None = None,
     stages: int | None = None,
 ) -> GluonPrefillStep:
     """The step's part of the launch (a layer allowed by ``gluon_prefill_problem``), over
     ``requests`` ``[first, end)`` of the step (default: all of them, padding included;
     a part gets views from its first request on, and writes only its own rows).
+    ``staged``: a CUDA-graph step's part, already copied into these persistent buffers.
     ``tile_n`` / ``stages`` override the head size's tiles (tuning)."""
     default_n, default_stages = tiles_for(spec.head_size)
     group = spec.num_queries_per_kv
     block_q = BLOCK_M // group
-    views = part_views(common, requests, block_q)
+    views = staged.views(block_q) if staged else part_views(common, requests, block_q)
     kwargs: dict[str, Any] = dict(
         BlockTable=views.block_table,
         SeqLens=views.seq_lens,

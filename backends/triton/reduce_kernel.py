@@ -7,7 +7,8 @@ Padding tokens (past query_start_loc[num_seqs]) are skipped. ``WAIT_FOR_PRIMARY`
 launch is a programmatic dependent of the attention kernel (sm_90+), which it may
 overlap until it needs the partials. With ``DYNAMIC_SPLITS``
 the split count is read from ``NumSplits`` on the device (a CUDA-graph plan, whose
-count changes from step to step within the partials' width).
+count changes from step to step within the partials' width), with the token row the
+partials start at.
 
 ``TRIM_SPLITS`` (splits of fixed key ranges): a row merges only the ranges below its
 last visible key, the only ones the attention kernel wrote for it.
@@ -54,7 +55,7 @@ def reduce_splits_kernel(
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
-    NumSplits,  # [3] int32: splits, tiles and keys per fixed range (DYNAMIC_SPLITS)
+    NumSplits,  # [4] int32: splits, tiles and keys per range, partials' first token (DYNAMIC_SPLITS)
     num_seqs,
     num_splits,
     keys_per_split,  # TRIM_SPLITS: split s holds keys [s, s + 1) * keys_per_split
@@ -81,9 +82,11 @@ def reduce_splits_kernel(
     if token >= tl.load(QueryStartLoc + num_seqs):
         return
     token = token.to(tl.int64)
+    part_row = token
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
         keys_per_split = tl.load(NumSplits + 2)
+        part_row = token - tl.load(NumSplits + 3)
     if TRIM_SPLITS:
         # fixed key ranges (keys_per_split > 0): only those below this row's last key
         # were written (no window here)
@@ -99,8 +102,8 @@ def reduce_splits_kernel(
         # (what was read above was written before the attention kernel started)
         tl.extra.cuda.gdc_wait()
     dims = tl.arange(0, HEAD_PAD)
-    stat = token * stride_mt + head * stride_mh
-    part = PartAcc + token * stride_pt + head * stride_ph + dims
+    stat = part_row * stride_mt + head * stride_mh
+    part = PartAcc + part_row * stride_pt + head * stride_ph + dims
 
     if ORDERED:
         # the maximum is exact in any order; the sums go split by split
