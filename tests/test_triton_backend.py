@@ -137,7 +137,11 @@ RANGE_SCENARIOS = [
         dtype=torch.float32,
     ),
     Scenario("ranges-non-causal", **RAGGED, causal=False),
-]
+    # a request of two query blocks (8 queries x GQA 2 over 16-row tiles): the
+    # (query blocks, splits) grid, not the list of work items
+    Scenario("ranges-two-query-blocks", **{**RAGGED, "query_lens": (1, 1, 8, 1),
+                                           "num_heads": 8}),
+]  # fmt: skip
 BF16 = [
     s.replace(name=s.name + "-bf16", dtype=torch.bfloat16)
     for s in SCENARIOS
@@ -176,6 +180,17 @@ def test_fixed_key_range_splits_match_reference(scenario):
     # the rule balances this batch with fixed ranges, most of them empty for the short
     # requests (the CPU's stand-in SM count and the GPU's compiled fits agree on that)
     assert plan.trim_splits and plan.num_splits > 2, metadata.describe()
+    # one query block per request: one program per range that holds keys, listed
+    attention = metadata.parts[0].attention
+    listed = max(scenario.query_lens) <= plan.block_q
+    assert attention.kwargs["RANGE_LIST"] == listed
+    if listed:
+        keys = plan.tiles_per_split * plan.tile.tile_n
+        items = sum(-(-n // keys) for n in scenario.seq_lens)
+        assert attention.grid == (items, scenario.num_kv_heads, 1)
+        assert attention.kwargs["RangeStarts"].tolist()[-1] == items
+    else:
+        assert attention.grid[2] == plan.num_splits
     _check(scenario)
 
 
@@ -499,6 +514,12 @@ def test_reserved_decode_steps_choose_their_own_splits():
         assert (tiles, keys) == ((0, 0) if not choice.fixed_ranges else
                                  (keys // plan.tile.tile_n, choice.keys_per_split))  # fmt: skip
         ranged.append(choice.fixed_ranges)
+        # the grid lists every split of every request of the bounds; this step's work
+        # items (its ranges that hold keys, or all its splits) come first
+        attention = md.parts[0].attention
+        assert attention.kwargs["RANGE_LIST"] and attention.grid == (8 * plan.num_splits, 2, 1)
+        per_request = [-(-n // keys) if choice.fixed_ranges else splits for n in seq_lens]
+        assert attention.kwargs["RangeStarts"].tolist()[-1] == sum(per_request)
         buffers = [num_splits, *(md.parts[0].attention.kwargs[k] for k in ("PartAcc", "PartMax"))]
         now = (plan, md.parts[0].attention.grid, [b.data_ptr() for b in buffers])
         assert seen is None or now == seen
@@ -521,7 +542,7 @@ def test_reserved_decode_steps_choose_their_own_splits():
 
 def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
     """Under bounds that allow chunk-length queries a step runs as two captured launches:
-    its decode-like run (with its own splits) and its run of longer requests, each
+    its run of decodes (with their own splits) and its run of longer requests, each
     copied into its launch's persistent buffers. Whatever the composition (decodes
     first or last, only one kind, kinds interleaved: all to the longer launch), every
     step keeps the grids and buffers of the first and attends as an eager step does."""
@@ -540,7 +561,8 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
     # (seq_lens, query_lens, decode run, longer run); the padding requests up to the
     # bounds' 5 join the run before them
     steps = (
-        ((2500, 40, 300, 100), (1, 1, 3, 24), (0, 3), (3, 5)),  # decodes, then a chunk
+        # decodes, then a speculative request and a chunk (the longer launch's)
+        ((2500, 40, 300, 100), (1, 1, 3, 24), (0, 2), (2, 5)),
         ((64, 2000, 30), (20, 1, 1), (1, 5), (0, 1)),  # a chunk, then decodes
         ((1200, 17, 90), (1, 1, 1), (0, 5), (5, 5)),  # decodes only
         ((24, 400), (24, 16), (0, 0), (0, 5)),  # longer requests only
@@ -557,6 +579,7 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
         assert (decodes.first, decodes.end) == decode_run
         assert (longer.first, longer.end) == longer_run
         assert decodes.plan.dynamic_splits and not longer.plan.split
+        assert decodes.attention.kwargs["RANGE_LIST"]  # one program per work item
         num_splits = decodes.attention.kwargs["NumSplits"]
         # the decodes' partials start at their first token
         assert num_splits.tolist()[3] == common.query_start_loc_cpu[decode_run[0]]

@@ -258,6 +258,9 @@ def test_every_launched_variant_compiles_for_sm90():
         if launch.kwargs.get("TRIM_SPLITS") and "SPLIT" in launch.kwargs
     }
     assert trimmed == {False, True}, trimmed
+    # and both grids: (query blocks, splits) and a list of work items
+    listed = {launch.kwargs["RANGE_LIST"] for launch in launches if "RANGE_LIST" in launch.kwargs}
+    assert listed == {False, True}, listed
     # register spills (known when ptxas ran, i.e. not served from Triton's cache)
     spilled = [str(r) for r in results if r.spill_bytes]
     assert not spilled, "register spills:\n" + "\n".join(spilled)

@@ -20,6 +20,13 @@ build: the grid's split axis is the most the reservation allows, and the splits 
 the step's count exit at once. So is the first token row of the launch's partials: a
 graph's decode launch of a mixed step writes its partials from row 0, wherever its
 decodes sit among the step's tokens, so the partials are sized for the decodes only.
+
+``RANGE_LIST`` (steps of one query block per request): the grid's first axis is a list
+of work items instead of (query blocks) x (splits), each request's splits that hold
+keys one after another (``RangeStarts``, from the builder). A ragged batch cut into
+fixed key ranges then launches no empty program: with a (blocks, splits) grid most of
+its programs would find their range past their request's keys and exit, each holding
+an SM's slot for a few dependent loads.
 """
 
 from __future__ import annotations
@@ -42,6 +49,21 @@ def find_sequence(QueryStartLoc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
         mid = (lo + hi) // 2
         start = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
         if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def find_owner(Starts, item, num_seqs):
+    """The request whose run of work items holds ``item``: the last ``i`` with
+    ``Starts[i] <= item`` (a request without items shares its start with the next)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(Starts + mid) <= item:
             lo = mid + 1
         else:
             hi = mid
@@ -169,6 +191,7 @@ def unified_attention_kernel(
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
     NumSplits,  # [4] int32: splits, tiles and keys per range, partials' first token (DYNAMIC_SPLITS)
+    RangeStarts,  # [num_seqs + 1] int32: each request's first work item, then the total (RANGE_LIST)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
     softcap,
@@ -206,6 +229,7 @@ def unified_attention_kernel(
     SPLIT: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
     TRIM_SPLITS: tl.constexpr,  # fixed key ranges; empty ones neither run nor write
+    RANGE_LIST: tl.constexpr,  # one program per (request, split) that has keys
     LAUNCH_DEPENDENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -214,14 +238,24 @@ def unified_attention_kernel(
         # the reduction (a programmatic dependent launch) may take free SMs now: it waits
         # for this grid's end before it reads the partials
         tl.extra.cuda.gdc_launch_dependents()
-    # the last query blocks see the most keys: launch them first, so the final wave
-    # of a causal prefill is made of short programs
-    # (a launch over a part of the step gets its tensors from the part's first request
-    # on: its query blocks are numbered from that request's, like the whole step's)
-    first_block = tl.load(QueryStartLoc) // BLOCK_Q
-    q_block_global = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if RANGE_LIST:
+        # a list of work items, a request's splits that hold keys one after another (one
+        # query block per request): no program of the grid is empty
+        item = tl.program_id(0)
+        if item >= tl.load(RangeStarts + num_seqs):
+            return  # past this step's items (a CUDA-graph grid covers the bounds')
+        seq = find_owner(RangeStarts, item, num_seqs)
+        split = item - tl.load(RangeStarts + seq)
+    else:
+        # the last query blocks see the most keys: launch them first, so the final wave
+        # of a causal prefill is made of short programs
+        # (a launch over a part of the step gets its tensors from the part's first
+        # request on: its query blocks are numbered from that request's, like the whole
+        # step's)
+        first_block = tl.load(QueryStartLoc) // BLOCK_Q
+        q_block_global = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
+        split = tl.program_id(2)
     if DYNAMIC_SPLITS:
         # this step's (splits, tiles per fixed key range or 0 for even shares)
         num_splits = tl.load(NumSplits)
@@ -230,13 +264,17 @@ def unified_attention_kernel(
             return
         partial_first = tl.load(NumSplits + 3)
     else:
-        num_splits = tl.num_programs(2)
+        num_splits = tl.num_programs(2)  # (a static range list holds fixed ranges only)
         partial_first = 0
 
-    seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
+    if not RANGE_LIST:
+        seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
-    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if RANGE_LIST:  # noqa: SIM108 (q_block_global exists only without RANGE_LIST)
+        q_block = 0
+    else:
+        q_block = q_block_global - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(SeqLens + seq)

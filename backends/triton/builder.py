@@ -29,8 +29,10 @@ from pagedkv.backends.triton.configs import (
     check_forced_splits,
     plan_step,
     plan_tiles,
+    range_list_choice,
     reduce_warps,
     step_splits,
+    work_items,
 )
 from pagedkv.backends.triton.gluon_plan import (
     GluonPrefillStep,
@@ -222,35 +224,50 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
             parts = (dataclasses.replace(parts[0], first=0, end=common.num_reqs),)
-        launches = tuple(
-            self._part_launches(
-                part_views(common, None if whole else (part.first, part.end), part.plan.block_q),
-                part,
-                partials,
-                num_splits,
-                gluon=None if tile is not None else self._gluon_part(common, step, part, whole),
+        requests = StepShape.of(common)  # the step's own (a CUDA-graph step's padded) requests
+        launches = []
+        for part in parts:
+            # the part as its plan saw it (a CUDA-graph plan: the bounds)
+            planned = step if whole else step.part(part.first, part.end)
+            listed = range_list_choice(planned, part.plan)
+            range_list = None
+            if listed is not None:
+                items = work_items(requests.part(part.first, part.end), chosen or listed)
+                range_list = self._range_list(f"range_starts_{part.first}", items, part.plan)
+            launches.append(
+                self._part_launches(
+                    part_views(
+                        common, None if whole else (part.first, part.end), part.plan.block_q
+                    ),
+                    part,
+                    partials,
+                    num_splits,
+                    None if tile is not None else self._gluon_part(common, step, part, whole),
+                    range_list=range_list,
+                )
             )
-            for part in parts
-        )
-        return TritonMetadata(common, layer, launches, chosen)
+        return TritonMetadata(common, layer, tuple(launches), chosen)
 
     def _graph_parts_metadata(
         self, common: CommonAttentionMetadata, bounds: GraphBounds
     ) -> TritonMetadata:
         """A step under CUDA-graph bounds that allow chunk-length queries: two launches,
-        planned from the bounds alone. The decode-like requests get a decode plan whose
-        splits each step chooses (as a pure-decode reservation's), the longer ones the
-        bounds' plan (the Gluon kernel where it runs): one launch over both would give
-        the decodes a prefill's tiles and no splits. Each step copies its two runs of
-        requests into the launches' persistent buffers (``decode_and_longer_runs``: a
-        step whose kinds interleave runs whole in the second launch)."""
+        planned from the bounds alone. The requests of one query (decodes) get a decode
+        plan whose splits each step chooses (as a pure-decode reservation's), the longer
+        ones the bounds' plan (the Gluon kernel where it runs): one launch over both
+        would give the decodes a prefill's tiles and no splits. Each step copies its two
+        runs of requests into the launches' persistent buffers (``decode_and_longer_runs``:
+        a step whose kinds interleave runs whole in the second launch).
+
+        Speculative requests (2 to 8 queries) join the longer launch here: the decodes'
+        partials are sized for one query per request of the bounds (a CUDA-graph plan's
+        scratch is fixed), and room for eight would cut the splits the decodes may take
+        eightfold within the same memory."""
         layer, num_sms, fit = self.layer, self.num_sms, self.fits
         step = StepShape.of(common)  # this step's own requests
-        decode_run, longer_run = decode_and_longer_runs(step.query_lens, SPLIT_POLICY.max_query_len)
-        # the decodes' launch: the bounds' requests, one query each as planned (a
-        # speculative request's up to max_query_len queries take more query blocks)
+        decode_run, longer_run = decode_and_longer_runs(step.query_lens, 1)
         max_reqs, width = bounds.max_num_reqs, common.block_table.shape[1]
-        decode_tokens = min(bounds.max_num_tokens, max_reqs * SPLIT_POLICY.max_query_len)
+        decode_tokens = min(bounds.max_num_tokens, max_reqs)
         decode_shape = StepShape(
             np.ones(decode_tokens, np.int64), np.full(decode_tokens, common.max_seq_len, np.int64)
         )
@@ -281,6 +298,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_splits = self._write_step_splits(
                 chosen, decode_plan, int(common.query_start_loc_cpu[decode_run[0]])
             )
+        # the decodes' launch lists its work items (its runs' requests first, then the
+        # padding ones, which have none)
+        items = np.zeros(max_reqs, np.int64)
+        if decode_plan.split:
+            run_items = work_items(step.part(*decode_run), chosen)
+            items[: len(run_items)] = run_items
+        else:
+            items[: decode_run[1] - decode_run[0]] = step.part(*decode_run).query_lens > 0
+        range_list = self._range_list("decodes_range_starts", items, decode_plan)
         gluon = None
         if self.gluon_problem is None and (
             gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None
@@ -294,6 +320,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 num_splits,
                 None,
                 role="decodes",
+                range_list=range_list,
             ),
             self._part_launches(
                 longer.views(longer_plan.block_q),
@@ -305,6 +332,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             ),
         )
         return TritonMetadata(common, layer, launches, chosen)
+
+    def _range_list(self, name: str, items: np.ndarray, plan: TilePlan) -> tuple[torch.Tensor, int]:
+        """A range-list launch's ``RangeStarts`` (each request's first work item, then
+        the total) on the device, and its grid's items: the step's own, or under a
+        CUDA-graph reservation the most its plan allows (every split of every request)."""
+        starts = np.zeros(len(items) + 1, np.int32)
+        np.cumsum(items, out=starts[1:])
+        buffer = self.scratch(name, starts.shape, torch.int32)
+        buffer.copy_(torch.from_numpy(starts), non_blocking=True)
+        if self.graph_bounds is not None:
+            return buffer, len(items) * plan.num_splits
+        return buffer, max(1, int(starts[-1]))
 
     def _write_step_splits(
         self, chosen: SplitChoice, plan: TilePlan, partial_first: int = 0
@@ -352,9 +391,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         num_splits: torch.Tensor,
         gluon: GluonPrefillStep | None,
         role: str | None = None,
+        range_list: tuple[torch.Tensor, int] | None = None,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (``views``)
-        and its grid; ``gluon``: its Gluon launch, if it takes one."""
+        and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
+        work items of a range-list launch (``_range_list``)."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -364,9 +405,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if not plan.split:
             acc = stat_max = stat_sum = unused
         t = plan.tile
+        if range_list is None:
+            grid, range_starts = (query_blocks, s.num_kv_heads, plan.num_splits), unused
+        else:
+            range_starts, items = range_list
+            grid = (items, s.num_kv_heads, 1)
         attention = KernelLaunch(
             unified_attention_kernel,
-            (query_blocks, s.num_kv_heads, plan.num_splits),
+            grid,
             dict(
                 PartAcc=acc,
                 PartMax=stat_max,
@@ -377,6 +423,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 Sinks=unused,
                 AlibiSlopes=unused,
                 NumSplits=num_splits,
+                RangeStarts=range_starts,
                 num_seqs=num_reqs,
                 tiles_per_split=plan.tiles_per_split,
                 stride_bt=table.stride(0),
@@ -395,6 +442,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 SPLIT=plan.split,
                 DYNAMIC_SPLITS=plan.dynamic_splits,
                 TRIM_SPLITS=plan.trim_splits,
+                RANGE_LIST=range_list is not None,
                 LAUNCH_DEPENDENTS=self.programmatic and plan.split,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,

@@ -642,6 +642,33 @@ def step_splits(
     )  # fmt: skip
 
 
+def range_list_choice(step: StepShape, plan: TilePlan) -> SplitChoice | None:
+    """The splits a launch of ``plan`` over ``step`` lists as work items (the kernel's
+    ``RANGE_LIST``), or None for a (query blocks, splits) grid. A list needs one query
+    block per request; it pays for fixed key ranges (which leave the splits past a short
+    request's keys empty) and for a CUDA-graph plan's per-step splits (whose grid is
+    the most splits for every request of the bounds: past the step's items a program
+    exits after one load). ``step``: a CUDA-graph plan's bounds (``StepShape.of_bounds``)."""
+    if plan.ordered_reduction or step.max_query_len > plan.block_q:
+        return None
+    if plan.dynamic_splits:
+        return SplitChoice(plan.num_splits, 0)  # the step's own choice: ``work_items``
+    if plan.tiles_per_split > 0:
+        return SplitChoice(plan.num_splits, plan.tiles_per_split * plan.tile.tile_n, True)
+    return None
+
+
+def work_items(step: StepShape, choice: SplitChoice) -> np.ndarray:
+    """Each request's work items in a range-list launch: its fixed key ranges up to its
+    last key, or every split of even shares (an even share of a short request may hold
+    no key, but the reduction reads every split of one). Requests without queries: none."""
+    if choice.fixed_ranges:
+        items = np.minimum(-(-step.seq_lens // choice.keys_per_split), choice.num_splits)
+    else:
+        items = np.full(len(step.seq_lens), choice.num_splits)
+    return np.where(step.query_lens > 0, items, 0)
+
+
 def program_keys(layer: LayerShape, step: StepShape, block_q: int) -> np.ndarray:
     """Keys each query block of the step visits (one entry per query block, for one KV
     head): its sequence, cut by the causal horizon of its last query and the window."""
