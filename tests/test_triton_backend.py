@@ -170,19 +170,19 @@ def test_split_kv_matches_reference(splits, scenario):
     _check(scenario, num_splits=splits)
 
 
+@pytest.mark.parametrize("split_grid", ["auto", "blocks"])
 @pytest.mark.parametrize("scenario", RANGE_SCENARIOS, ids=lambda s: s.name)
-def test_fixed_key_range_splits_match_reference(scenario):
+def test_fixed_key_range_splits_match_reference(scenario, split_grid):
     problem = build_problem(scenario, DEVICE)
-    metadata = (
-        pagedkv.get_backend("triton").make_builder(problem.spec, DEVICE).build(problem.common)
-    )
+    backend = pagedkv.get_backend("triton", split_grid=split_grid)
+    metadata = backend.make_builder(problem.spec, DEVICE).build(problem.common)
     plan = metadata.plan
     # the rule balances this batch with fixed ranges, most of them empty for the short
     # requests (the CPU's stand-in SM count and the GPU's compiled fits agree on that)
     assert plan.trim_splits and plan.num_splits > 2, metadata.describe()
     # one query block per request: one program per range that holds keys, listed
     attention = metadata.parts[0].attention
-    listed = max(scenario.query_lens) <= plan.block_q
+    listed = split_grid == "auto" and max(scenario.query_lens) <= plan.block_q
     assert attention.kwargs["RANGE_LIST"] == listed
     if listed:
         keys = plan.tiles_per_split * plan.tile.tile_n
@@ -191,7 +191,7 @@ def test_fixed_key_range_splits_match_reference(scenario):
         assert attention.kwargs["RangeStarts"].tolist()[-1] == items
     else:
         assert attention.grid[2] == plan.num_splits
-    _check(scenario)
+    _check(scenario, split_grid=split_grid)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bfloat16 needs a GPU (Triton's interpreter gets it wrong)")

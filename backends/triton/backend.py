@@ -68,6 +68,14 @@ class TritonBackend(AttentionBackend):
             "portable (the unified Triton kernel everywhere)",
             choices=("auto", "portable"),
         ),
+        "split_grid": BackendOption(
+            default="auto",
+            help="split launches: auto (a step of one query block per request launches "
+            "one program per split that holds keys, a list of work items), blocks (a "
+            "(query blocks, splits) grid everywhere, where a short request's splits past "
+            "its keys are empty programs; for comparison)",
+            choices=("auto", "blocks"),
+        ),
     }
 
     def __init__(self, **options: OptionValue) -> None:

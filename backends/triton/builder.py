@@ -142,12 +142,15 @@ class TritonMetadata(BackendMetadata):
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """Chooses tiles and splits per step. Options: ``num_splits`` (0 = chosen per
     step), ``batch_invariant`` (a plan that does not depend on the batch),
-    ``prefill_kernel`` (``portable``: never the Gluon prefill kernel)."""
+    ``prefill_kernel`` (``portable``: never the Gluon prefill kernel), ``split_grid``
+    (``blocks``: no list of work items)."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
         super().__init__(spec, device, **options)
         self.forced_splits = check_forced_splits(options.get("num_splits"))
         self.batch_invariant = bool(options.get("batch_invariant"))
+        # split launches may list their work items (the kernel's RANGE_LIST)
+        self.listing = options.get("split_grid", "auto") == "auto"
         self.layer = LayerShape.of(spec)
         self.num_sms = num_sms(self.device)
         # a split launch's reduction starts during the attention kernel's last programs
@@ -201,6 +204,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             tile=tile,
             bounded=self.graph_bounds is not None,
             fit=self.fits,
+            listing=self.listing,
         )
         splits = max(p.plan.num_splits for p in parts)
         s, layer, unused = self.spec, self.layer, self._unused
@@ -218,7 +222,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # written where the captured kernels read them: the count, and the tiles and
             # keys of a fixed range (0: even shares)
             chosen = step_splits(
-                layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits
+                layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits, self.listing
             )
             num_splits = self._write_step_splits(chosen, parts[0].plan)
         whole = len(parts) == 1
@@ -229,7 +233,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         for part in parts:
             # the part as its plan saw it (a CUDA-graph plan: the bounds)
             planned = step if whole else step.part(part.first, part.end)
-            listed = range_list_choice(planned, part.plan)
+            listed = range_list_choice(planned, part.plan) if self.listing else None
             range_list = None
             if listed is not None:
                 items = work_items(requests.part(part.first, part.end), chosen or listed)
@@ -279,6 +283,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         longer = StagedPart(self.scratch, "longer", max_reqs, bounds.max_num_tokens, width)
         decodes.stage(common, decode_run)
         longer.stage(common, longer_run)
+        run = step.part(*decode_run)
         unused = self._unused
         partials, num_splits, chosen = (unused, unused, unused), unused, None
         if decode_plan.split:
@@ -289,9 +294,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 self.scratch("partial_max", shape, torch.float32),
                 self.scratch("partial_sum", shape, torch.float32),
             )
-            run = step.part(*decode_run)
             chosen = (
-                step_splits(layer, run, decode_plan, num_sms, fit)
+                step_splits(layer, run, decode_plan, num_sms, fit, self.listing)
                 if run.max_query_len > 0
                 else SplitChoice(1, decode_plan.tile.tile_n)
             )
@@ -300,13 +304,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             )
         # the decodes' launch lists its work items (its runs' requests first, then the
         # padding ones, which have none)
-        items = np.zeros(max_reqs, np.int64)
-        if decode_plan.split:
-            run_items = work_items(step.part(*decode_run), chosen)
-            items[: len(run_items)] = run_items
-        else:
-            items[: decode_run[1] - decode_run[0]] = step.part(*decode_run).query_lens > 0
-        range_list = self._range_list("decodes_range_starts", items, decode_plan)
+        range_list = None
+        if self.listing:
+            items = np.zeros(max_reqs, np.int64)
+            if decode_plan.split:
+                items[: len(run.query_lens)] = work_items(run, chosen)
+            else:
+                items[: len(run.query_lens)] = run.query_lens > 0
+            range_list = self._range_list("decodes_range_starts", items, decode_plan)
         gluon = None
         if self.gluon_problem is None and (
             gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None

@@ -519,6 +519,7 @@ def plan_step(
     tile: TileConfig | None = None,
     bounded: bool = False,
     fit: FitSource | None = None,
+    listing: bool = True,
 ) -> tuple[StepPart, ...]:
     """A step's launches: one per part, a part being a run of decode-like requests (at
     most ``SPLIT_POLICY.max_query_len`` queries) or of longer ones. A step made of one
@@ -526,7 +527,8 @@ def plan_step(
     launches, so that its decodes keep their small tiles and splits and its chunks
     their large tiles; any other step, a CUDA-graph step (``bounded``: one plan for
     every step within the bounds), a batch-invariant one or a forced tile gets one.
-    ``fit``: the compiled kernels' registers (``FitSource``)."""
+    ``fit``: the compiled kernels' registers (``FitSource``); ``listing``: fixed key
+    ranges may be launched as a list of work items (``range_list_choice``)."""
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits):
@@ -548,6 +550,7 @@ def plan_step(
                 tile=tile,
                 bounded=bounded,
                 fit=fit,
+                listing=listing,
             ),
         )
         for first, end in parts
@@ -564,6 +567,7 @@ def plan_tiles(
     tile: TileConfig | None = None,
     bounded: bool = False,
     fit: FitSource | None = None,
+    listing: bool = True,
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits; ``bounded``: a CUDA-graph plan, whose scratch is
@@ -596,7 +600,7 @@ def plan_tiles(
     else:
         choice = makespan_splits(
             layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
-            key_ranges=not bounded,
+            key_ranges=not bounded, listing=listing,
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
@@ -632,13 +636,14 @@ def step_splits(
     plan: TilePlan,
     num_sms: int,
     fit: FitSource | None = None,
+    listing: bool = True,
 ) -> SplitChoice:
     """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
     rule over the step's own requests (even shares or fixed key ranges), with the
     plan's tile, at most the plan's width."""
     return makespan_splits(
         layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit,
-        key_ranges=True,
+        key_ranges=True, listing=listing,
     )  # fmt: skip
 
 
@@ -700,6 +705,7 @@ def makespan_splits(
     max_splits: int | None = None,
     fit: FitSource | None = None,
     key_ranges: bool = False,
+    listing: bool = True,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -709,7 +715,8 @@ def makespan_splits(
     sized for decode-like steps). ``key_ranges``: a split may also be a fixed key range
     of every sequence (the toolkit rule's ``key_ranges``), which balances a ragged batch
     (not with a sliding window: a range is absolute, the grid would have to cover the
-    keys before the window)."""
+    keys before the window). ``listing``: a step of one query block per request then
+    launches only the ranges that hold keys (``range_list_choice``)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits
@@ -724,6 +731,8 @@ def makespan_splits(
     # the reduction writes and reads each split's partials once, in the time the
     # split grid's slots stream this many keys
     key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
+    # one query block per request: fixed key ranges are launched as a list of the
+    # ranges that hold keys (``range_list_choice``)
     return SPLIT_POLICY.choose_by_makespan(
         program_keys(layer, step, block_q),
         slots,
@@ -734,6 +743,7 @@ def makespan_splits(
         copies=layer.num_kv_heads,
         split_slots=split_slots,
         key_ranges=key_ranges and layer.window is None,
+        listed=listing and step.max_query_len <= block_q,
     )
 
 

@@ -116,6 +116,7 @@ class SplitPolicy:
         copies: int = 1,
         split_slots: int | None = None,
         key_ranges: bool = False,
+        listed: bool = False,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -144,7 +145,8 @@ class SplitPolicy:
         last of a sequence fewer), so a long sequence gets many programs and a short one
         few; the grid's split axis is the longest sequence's count, and the other
         sequences' programs past their keys exit at once (each still costs
-        ``overhead_keys``). Ranges are powers of two times ``granule``, of at least
+        ``overhead_keys``), unless the launch is ``listed``: one program per range that
+        holds keys. Ranges are powers of two times ``granule``, of at least
         ``min_keys_per_split`` keys, at most ``max_splits`` per sequence; the best of
         them is taken (``SplitChoice.fixed_ranges``) when its estimate beats even
         shares' by more than ``MAKESPAN_TIE``."""
@@ -154,7 +156,7 @@ class SplitPolicy:
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
         even, even_time = self._even_shares(keys, slots, split_slots, limit, *costs)
         if key_ranges and limit > 1:
-            ranged, ranged_time = self._key_ranges(keys, split_slots, limit, *costs)
+            ranged, ranged_time = self._key_ranges(keys, split_slots, limit, *costs, listed)
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
         return even
@@ -199,6 +201,7 @@ class SplitPolicy:
         overhead_keys: float,
         merge_keys_per_split: float,
         copies: int,
+        listed: bool,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
         and its estimated time (in keys); an infinite time when none applies."""
@@ -216,9 +219,12 @@ class SplitPolicy:
         per_range = np.array(ranges, dtype=np.float64)[:, None]  # [R, 1]
         pieces = np.ceil(steps[None, :] / per_range)  # [R, P] programs with keys
         splits = np.ceil(most / per_range[:, 0])  # [R] the grid's split axis
-        programs = len(keys) * splits * copies
         work = (steps.sum() * granule + pieces.sum(axis=1) * overhead_keys) * copies
-        work += (programs - pieces.sum(axis=1) * copies) * overhead_keys  # empty ones
+        if listed:  # only the programs with keys
+            programs = pieces.sum(axis=1) * copies
+        else:  # every sequence's programs up to the longest one's, the others empty
+            programs = len(keys) * splits * copies
+            work += (programs - pieces.sum(axis=1) * copies) * overhead_keys
         estimate = _grid_time(
             work, np.minimum(per_range[:, 0], most) * granule + overhead_keys, programs,
             np.full(len(ranges), max(1, slots)),
