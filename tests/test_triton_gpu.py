@@ -9,6 +9,7 @@ import torch
 from graph_replay import MIXED_BOUNDS, MIXED_PART_STEPS, replay_errors
 from pagedkv import AttentionSpec, CommonAttentionMetadata, GraphBounds
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
+from pagedkv.conformance.problem import build_problem
 from pagedkv.reference import reference_attention
 from pagedkv.spec import alibi_slopes
 
@@ -195,3 +196,29 @@ def test_mixed_graph_replays_decodes_and_longer_requests_apart(use_sinks):
     results = replay_errors(BACKEND, steps, MIXED_BOUNDS)
     print("\n".join(f"{name}: max error {err:.3g}" for name, err, _ in results))
     assert all(ok for _, _, ok in results), results
+
+
+def test_overlapped_parts_match_the_serial_launches():
+    """A step of decodes and a chunk runs its two parts on two streams (overlap_parts):
+    the same kernels, so the same bits as one after the other, also when the caller
+    works on a stream of its own; and the step's parts really are two."""
+    scenario = Scenario(
+        "overlap", seq_lens=(4000, 33, 700, 2100), query_lens=(1, 1, 1, 300), num_heads=32,
+        num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+    )  # fmt: skip
+    outputs = []
+    for overlap in (True, False):
+        backend = pagedkv.get_backend("triton", overlap_parts=overlap)
+        result = run_scenario(backend, scenario, "cuda", backend_label=f"overlap={overlap}")
+        assert result.passed, result.report()
+        outputs.append(result.output)
+    assert torch.equal(outputs[0], outputs[1])
+    backend = pagedkv.get_backend("triton")
+    problem = build_problem(scenario, "cuda")
+    md = backend.make_builder(problem.spec, "cuda").build(problem.common)
+    assert len(md.parts) == 2, md.describe()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        again = run_scenario(backend, scenario, "cuda", backend_label="own stream")
+    torch.cuda.synchronize()
+    assert torch.equal(again.output, outputs[0])

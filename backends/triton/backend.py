@@ -76,6 +76,13 @@ class TritonBackend(AttentionBackend):
             "its keys are empty programs; for comparison)",
             choices=("auto", "blocks"),
         ),
+        "overlap_parts": BackendOption(
+            default=True,
+            help="a step of decodes and longer requests runs the two launches on two "
+            "streams, so that the memory-bound decodes and the compute-bound chunks share "
+            "the SMs (false: one after the other)",
+            kind=bool,
+        ),
     }
 
     def __init__(self, **options: OptionValue) -> None:

@@ -57,6 +57,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         self._by_device: dict[torch.device, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._views: _CacheViews | None = None
         self._gluon_layer_args = gluon_layer_args(spec)
+        # a two-part step's parts run on two streams (``_attend_overlapped``)
+        self.overlap_parts = options.get("overlap_parts", True) is not False
 
     def attend(
         self,
@@ -67,8 +69,41 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
     ) -> None:
         # the launches skip Triton's per-call dispatch once their variant is known: the
         # step's and the layer's arguments are specialised once, the forward's at each call
-        for template, layer, call in self._launches(query, kv_cache, metadata, output):
+        launches = self._launches(query, kv_cache, metadata, output)
+        if len(metadata.parts) == 2 and self.overlap_parts and query.is_cuda:
+            self._attend_overlapped(launches, query.device)
+            return
+        for _, template, layer, call in launches:
             template.run_with(*layer, call=call)
+
+    def _attend_overlapped(
+        self,
+        launches: Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]],
+        device: torch.device,
+    ) -> None:
+        """A two-part step (decodes and longer requests) with its parts on two streams:
+        the decodes stream the cache (memory-bound), the longer requests' queries keep
+        the tensor cores busy (compute-bound), so each runs in what the other leaves of
+        the SMs. The longer part goes first, on a stream of higher priority, so that its
+        programs are placed first; the caller's stream waits for both (CUDA graphs
+        capture the fork and the join)."""
+        main = torch.cuda.current_stream(device)
+        side = _SIDE_STREAMS.get(device)
+        if side is None:  # one per device, for every layer
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+        forked, joined = torch.cuda.Event(), torch.cuda.Event()
+        forked.record(main)
+        side.wait_event(forked)
+        by_part: dict[int, list] = {0: [], 1: []}
+        for part, template, layer, call in launches:
+            by_part[part].append((template, layer, call))
+        with torch.cuda.stream(side):
+            for template, layer, call in by_part[1]:
+                template.run_with(*layer, call=call)
+        joined.record(side)
+        for template, layer, call in by_part[0]:
+            template.run_with(*layer, call=call)
+        main.wait_event(joined)
 
     def plan(
         self,
@@ -79,7 +114,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
     ) -> list[KernelLaunch]:
         """The launches of one forward (the KV write excluded), planned, not run."""
         launches = []
-        for template, layer, call in self._launches(query, kv_cache, metadata, output):
+        for _, template, layer, call in self._launches(query, kv_cache, metadata, output):
             kwargs = dict(template.kwargs)
             for group in layer:
                 kwargs.update(group.values)
@@ -92,9 +127,9 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         kv_cache: torch.Tensor,
         metadata: TritonMetadata,
         output: torch.Tensor,
-    ) -> Iterator[tuple[KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
-        """One forward's launches: (the step's template, the layer's arguments, the
-        forward's own arguments)."""
+    ) -> Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
+        """One forward's launches: (the part's index, the step's template, the layer's
+        arguments, the forward's own arguments)."""
         md = metadata
         if md.layer is not self.layer and md.layer != self.layer:
             raise UnsupportedError(
@@ -115,17 +150,17 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         }  # fmt: skip
         reduce_call = {"Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
         layer_args = None
-        for part in md.parts:
+        for index, part in enumerate(md.parts):
             if part.gluon is not None and gluon_cache is not None:
                 layer = self._gluon_layer_args
-                yield part.gluon.launch(query, output, layer, gluon_cache), (), {}
+                yield index, part.gluon.launch(query, output, layer, gluon_cache), (), {}
                 continue
             if layer_args is None:
                 layer_args = self._layer_launch_args(query.device, kv_cache)
             attention, reduce = layer_args
-            yield part.attention, (attention,), attention_call
+            yield index, part.attention, (attention,), attention_call
             if part.reduce is not None:
-                yield part.reduce, (reduce,), reduce_call
+                yield index, part.reduce, (reduce,), reduce_call
 
     # -- per layer, computed once -----------------------------------------------------
 
@@ -215,6 +250,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
 
 
 _UNSET = object()
+# the stream a two-part step's longer requests run on, per device
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @dataclass
