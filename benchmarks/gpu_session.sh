@@ -309,9 +309,13 @@ for section in "$@"; do
       fi
       ;;
     pack)  # at most 8 files come back from a call: every log and report in one archive
+      # (files only are deleted, then the folders left empty: a folder that still holds
+      # a summary must not stop the archive from coming back)
       (cd "$OUT" && tar -czf /tmp/results.tgz --exclude 'flashinfer-jit.tgz.part-*' --exclude summary.txt . &&
-        find . -mindepth 1 -not -name 'flashinfer-jit.tgz.part-*' -not -name summary.txt -delete &&
-        mv /tmp/results.tgz results.tgz)
+        mv /tmp/results.tgz "$OUT/results.tgz.tmp" &&
+        { find . -mindepth 1 -type f -not -name 'flashinfer-jit.tgz.part-*' -not -name summary.txt \
+            -not -name results.tgz.tmp -delete; find . -mindepth 1 -type d -empty -delete; true; } &&
+        mv results.tgz.tmp results.tgz)
       ;;
     *) log "unknown section $section" ;;
   esac
