@@ -35,6 +35,7 @@ from pagedkv.backends.triton.configs import (
     plan_tiles,
     slots_per_sm,
 )
+from pagedkv.backends.triton.parts import decode_and_longer_runs
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
 from pagedkv.toolkit.launch import KernelFit
@@ -787,3 +788,18 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
     assert "prefill_kernel=portable" in portable.gluon_problem
     with pytest.raises(ConfigError, match="prefill_kernel"):
         pagedkv.get_backend("triton", prefill_kernel="fast")
+
+
+@pytest.mark.parametrize(
+    "query_lens, runs",
+    [
+        ((1, 1, 24, 0, 0), ((0, 2), (2, 5))),  # decodes, a chunk, padding after it
+        ((24, 1, 1, 0), ((1, 4), (0, 1))),  # a chunk first: the decodes keep the padding
+        ((1, 0, 1), ((0, 3), (3, 3))),  # decodes only, an empty request among them
+        ((0, 30, 9), ((0, 0), (0, 3))),  # longer requests only, an empty one first
+        ((1, 30, 1), ((0, 0), (0, 3))),  # interleaved: all to the longer launch
+        ((0, 0), ((0, 2), (2, 2))),  # nothing to attend
+    ],
+)
+def test_a_graph_steps_runs_of_decodes_and_longer_requests(query_lens, runs):
+    assert decode_and_longer_runs(np.array(query_lens), 1) == runs

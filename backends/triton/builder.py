@@ -1,11 +1,14 @@
 """The Triton backend's metadata: the step's launch plan, made once per step.
 
 ``build_metadata`` cuts the step into parts and chooses tiles and splits per part
-(``configs.plan_step``) and fills the launch templates: every kernel argument that does not depend on a layer's tensors
-(the step's metadata tensors, the split-KV partials, the grid, the tile constants),
-so that ``attend`` of every layer only adds its query, output and cache and
-launches. Under a CUDA-graph reservation the step arrives padded to the bounds,
-so the plan (and the partials, from ``self.scratch``) is the same every step.
+(``configs.plan_step``) and fills the launch templates: every kernel argument that
+does not depend on a layer's tensors (the step's metadata tensors, the split-KV
+partials, the grid, the tile constants, a split launch's list of work items), so
+that ``attend`` of every layer only adds its query, output and cache and launches.
+Under a CUDA-graph reservation the step arrives padded to the bounds, so the plan
+(and the partials, from ``self.scratch``) is the same every step; bounds that allow
+chunk-length queries get two launches, decodes and longer requests, whose metadata
+each step copies into their own persistent buffers (``_graph_parts_metadata``).
 """
 
 from __future__ import annotations
@@ -191,10 +194,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             and not (self.batch_invariant or tile is not None or forced)
         ):
             return self._graph_parts_metadata(common, bounds)
-        if self.graph_bounds is not None:
-            step = StepShape.of_bounds(common)  # shape-deciding inputs: the bounds only
-        else:
-            step = StepShape.of(common)
+        # under a reservation the shape-deciding inputs are the bounds only
+        step = StepShape.of(common) if bounds is None else StepShape.of_bounds(common)
         parts = plan_step(
             self.layer,
             step,
@@ -202,7 +203,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             forced_splits=forced,
             batch_invariant=self.batch_invariant,
             tile=tile,
-            bounded=self.graph_bounds is not None,
+            bounded=bounds is not None,
             fit=self.fits,
             listing=self.listing,
         )
