@@ -194,8 +194,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             and not (self.batch_invariant or tile is not None or forced)
         ):
             return self._graph_parts_metadata(common, bounds)
-        # under a reservation the shape-deciding inputs are the bounds only
-        step = StepShape.of(common) if bounds is None else StepShape.of_bounds(common)
+        # the step's own requests (a CUDA-graph step's padded ones); under a reservation
+        # the plan's shape-deciding inputs are the bounds only
+        requests = StepShape.of(common)
+        step = requests if bounds is None else StepShape.of_bounds(common)
         parts = plan_step(
             self.layer,
             step,
@@ -223,13 +225,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # written where the captured kernels read them: the count, and the tiles and
             # keys of a fixed range (0: even shares)
             chosen = step_splits(
-                layer, StepShape.of(common), parts[0].plan, self.num_sms, self.fits, self.listing
+                layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing
             )
             num_splits = self._write_step_splits(chosen, parts[0].plan)
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
             parts = (dataclasses.replace(parts[0], first=0, end=common.num_reqs),)
-        requests = StepShape.of(common)  # the step's own (a CUDA-graph step's padded) requests
         launches = []
         for part in parts:
             # the part as its plan saw it (a CUDA-graph plan: the bounds)

@@ -647,6 +647,12 @@ def step_splits(
     )  # fmt: skip
 
 
+def one_block_per_request(step: StepShape, block_q: int) -> bool:
+    """Whether every request's queries fit one query block: what a launch needs to list
+    its work items (``range_list_choice``), and what the split rule then assumes."""
+    return step.max_query_len <= block_q
+
+
 def range_list_choice(step: StepShape, plan: TilePlan) -> SplitChoice | None:
     """The splits a launch of ``plan`` over ``step`` lists as work items (the kernel's
     ``RANGE_LIST``), or None for a (query blocks, splits) grid. A list needs one query
@@ -654,7 +660,7 @@ def range_list_choice(step: StepShape, plan: TilePlan) -> SplitChoice | None:
     request's keys empty) and for a CUDA-graph plan's per-step splits (whose grid is
     the most splits for every request of the bounds: past the step's items a program
     exits after one load). ``step``: a CUDA-graph plan's bounds (``StepShape.of_bounds``)."""
-    if plan.ordered_reduction or step.max_query_len > plan.block_q:
+    if plan.ordered_reduction or not one_block_per_request(step, plan.block_q):
         return None
     if plan.dynamic_splits:
         return SplitChoice(plan.num_splits, 0)  # the step's own choice: ``work_items``
@@ -731,8 +737,6 @@ def makespan_splits(
     # the reduction writes and reads each split's partials once, in the time the
     # split grid's slots stream this many keys
     key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
-    # one query block per request: fixed key ranges are launched as a list of the
-    # ranges that hold keys (``range_list_choice``)
     return SPLIT_POLICY.choose_by_makespan(
         program_keys(layer, step, block_q),
         slots,
@@ -743,7 +747,8 @@ def makespan_splits(
         copies=layer.num_kv_heads,
         split_slots=split_slots,
         key_ranges=key_ranges and layer.window is None,
-        listed=listing and step.max_query_len <= block_q,
+        # fixed key ranges launched as a list of the ranges that hold keys
+        listed=listing and one_block_per_request(step, block_q),
     )
 
 
