@@ -269,6 +269,14 @@ class AttentionImpl(ABC, Generic[M]):
             self._cache_checker = layout.checker(self.spec)
         self._cache_checker(kv_cache, device)
         common = getattr(metadata, "common", None)
+        built_for = (
+            common.slot_mapping.device if isinstance(common, CommonAttentionMetadata) else None
+        )
+        if device is not None and built_for is not None and built_for != device:
+            raise UnsupportedError(
+                f"metadata: built for {built_for}, but the query is on {device} "
+                "(build it with a builder for the query's device)"
+            )
         if full_validation_enabled() and isinstance(common, CommonAttentionMetadata):
             assert isinstance(kv_cache, torch.Tensor)
             common.validate(kv_cache.shape[layout.block_axis])
@@ -281,12 +289,16 @@ class AttentionImpl(ABC, Generic[M]):
         num_tokens: int,
         output: torch.Tensor | None,
     ) -> None:
-        """Raise UnsupportedError naming the argument whose shape or dtype is wrong."""
+        """Raise UnsupportedError naming the argument whose shape, dtype or device is
+        wrong (compiled kernels take tensors as bare addresses: one on another device
+        would be read as this one's memory)."""
         s = self.spec
         expect_tensor("query", query, (num_tokens, s.num_heads, s.head_size), s.dtype)
+        device = query.device
         if s.is_mla:
             if key is not None:
-                expect_tensor("key (MLA latent)", key, (num_tokens, 1, s.head_size), s.dtype)
+                shape = (num_tokens, 1, s.head_size)
+                expect_tensor("key (MLA latent)", key, shape, s.dtype, device)
             if value is not None:
                 raise UnsupportedError(
                     "value must be None for MLA: V is the latent's first kv_lora_rank values"
@@ -294,10 +306,12 @@ class AttentionImpl(ABC, Generic[M]):
         elif (key is None) != (value is None):
             raise UnsupportedError("key and value must be given together (or both None)")
         elif key is not None:
-            expect_tensor("key", key, (num_tokens, s.num_kv_heads, s.head_size), s.dtype)
-            expect_tensor("value", value, (num_tokens, s.num_kv_heads, s.head_size_v), s.dtype)
+            expect_tensor("key", key, (num_tokens, s.num_kv_heads, s.head_size), s.dtype, device)
+            shape = (num_tokens, s.num_kv_heads, s.head_size_v)
+            expect_tensor("value", value, shape, s.dtype, device)
         if output is not None:
-            expect_tensor("output", output, (num_tokens, s.num_heads, s.head_size_v), s.dtype)
+            shape = (num_tokens, s.num_heads, s.head_size_v)
+            expect_tensor("output", output, shape, s.dtype, device)
 
     def new_output(self, query: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         if output is not None:
@@ -305,8 +319,15 @@ class AttentionImpl(ABC, Generic[M]):
         return query.new_empty(query.shape[0], self.spec.num_heads, self.spec.head_size_v)
 
 
-def expect_tensor(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Raise UnsupportedError naming ``name`` unless ``t`` is a tensor of this shape and dtype."""
+def expect_tensor(
+    name: str,
+    t: object,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> None:
+    """Raise UnsupportedError naming ``name`` unless ``t`` is a tensor of this shape and
+    dtype (and on ``device`` when given)."""
     if not isinstance(t, torch.Tensor):
         raise UnsupportedError(
             f"{name}: expected a tensor of shape {list(shape)}, got {type(t).__name__}"
@@ -315,6 +336,10 @@ def expect_tensor(name: str, t: object, shape: tuple[int, ...], dtype: torch.dty
         raise UnsupportedError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     if t.dtype != dtype:
         raise UnsupportedError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise UnsupportedError(
+            f"{name}: expected a tensor on {device} (the query's), got {t.device}"
+        )
 
 
 class _DeclaredLayout:

@@ -71,8 +71,58 @@ def test_second_call_skips_the_dispatch_with_every_argument_in_place():
     assert len(kernel.dispatched) == 1  # the variant was known: launched directly
     (compiled,) = kernel.variants.values()
     grid, stream, args = compiled.ran[0]
-    # every parameter in the kernel's order, the default where nothing was given
-    assert grid == (3, 2, 1) and stream == 7 and args == (y, 32, 7, 64, 2.0)
+    # every parameter in the kernel's order, the default where nothing was given, a
+    # tensor as its address (the launcher then asks the driver nothing)
+    assert grid == (3, 2, 1) and stream == 7 and args == (y.data_ptr(), 32, 7, 64, 2.0)
+
+
+def test_a_layer_group_swapped_in_lays_the_arguments_out_again():
+    """The arguments are laid out once per (step, layer) pair: another layer's group
+    (or another cache's) with the same specialisation puts its own values in place."""
+    kernel, x = _Kernel(), torch.zeros(8)
+    step = LaunchArgs({"stride": 3})
+    ran = []
+    for n in (32, 48, 32):  # 48 specialises as 32: no new dispatch, its own value
+        layer = LaunchArgs({"n": n, "BLOCK": 64})
+        for _ in range(2):
+            launch(kernel, (1,), (step, layer), {"X": x})
+        (compiled,) = kernel.variants.values()
+        ran.append(compiled.ran[-1][2])
+    assert len(kernel.dispatched) == 1
+    assert [args[1] for args in ran] == [32, 48, 32]
+    assert all(args == (x.data_ptr(), args[1], 3, 64, 2.0) for args in ran)
+
+
+@dataclass
+class _Descriptor:
+    """A host TMA descriptor as Triton's (and Gluon's) TensorDescriptor holds it."""
+
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    layout: str = "swizzle128"
+    padding: str = "zero"
+
+
+def test_a_tma_descriptor_is_keyed_by_what_triton_specialises_and_kept_as_it_is():
+    kernel, x = _Kernel(), torch.zeros(64)
+    desc = _Descriptor(torch.zeros(256, 32), [256, 32], [32, 1], [16, 32])
+    layer = LaunchArgs({"n": desc, "BLOCK": 64})
+    for _ in range(2):
+        launch(kernel, (1,), (LaunchArgs({"stride": 3}), layer), {"X": x})
+    assert len(kernel.dispatched) == 1  # keyed: the second launch was direct
+    (compiled,) = kernel.variants.values()
+    assert compiled.ran[-1][2][1] is desc  # the launcher expands the descriptor itself
+    key = specialization(desc)
+    for other in (
+        _Descriptor(desc.base.half(), [256, 32], [32, 1], [16, 32]),
+        _Descriptor(desc.base, [256, 32], [32, 1], [32, 32]),
+        _Descriptor(desc.base, [256, 32], [32, 1], [16, 32], layout="swizzle64"),
+        _Descriptor(desc.base, [256, 32], [32, 1], [16, 32], padding="nan"),
+        _Descriptor(desc.base, [257, 32], [32, 1], [16, 32]),
+    ):
+        assert specialization(other) != key, other
 
 
 def test_a_differently_specialised_argument_goes_through_triton_again():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pagedkv
 import pytest
 import torch
@@ -118,6 +120,17 @@ def test_forward_argument_errors_name_the_argument():
         impl.forward(q, kv.float(), kv, cache, md)
     with pytest.raises(UnsupportedError, match="key and value must be given together"):
         impl.forward(q, kv, None, cache, md)
+    # compiled kernels take bare addresses: a tensor elsewhere is refused by name
+    elsewhere = torch.empty(3, 4, 16, dtype=torch.float16, device="meta")
+    with pytest.raises(UnsupportedError, match="output: expected a tensor on cpu .* got meta"):
+        impl.forward(q, None, None, cache, md, elsewhere)
+    with pytest.raises(UnsupportedError, match="value: expected a tensor on cpu .* got meta"):
+        impl.forward(q, kv, kv.to("meta"), cache, md)
+    meta_md = dataclasses.replace(
+        md, common=pagedkv.CommonAttentionMetadata.from_requests([3], [3], [[1]], 4, "meta")
+    )
+    with pytest.raises(UnsupportedError, match="metadata: built for meta, but the query is on cpu"):
+        impl.forward(q, None, None, cache, meta_md)
     with pytest.raises(UnsupportedError, match="sinks were given but spec.use_sinks is False"):
         BACKEND.make_impl(spec, sinks=torch.zeros(4))
     with pytest.raises(UnsupportedError, match="spec.use_sinks is set"):

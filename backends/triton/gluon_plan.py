@@ -27,9 +27,11 @@ The contract, for the builder and the impl:
   log2 e), ``v_scale`` and ``CAUSAL``, the names the portable kernel uses. A 16-bit
   cache stores K and V as they are (docs/contract.md: only fp8 caches store
   ``x / scale``), so ``k_scale`` and ``v_scale`` do not apply here.
-- ``GluonPrefillStep.launch(query, output, layer_args, cache_args)`` (impl, every
-  forward): the ``KernelLaunch`` (keyword-only kwargs) with the query and output
-  ``[T, Hq, D]`` (the layer's 16-bit dtype, head dim contiguous) and their strides.
+- ``GluonPrefillStep.template`` (impl, every forward): the step's ``KernelLaunch``, run
+  with one group of the layer's arguments (cache and layer args, ``LaunchArgs``) and
+  ``call_args(query, output)``: the query and output ``[T, Hq, D]`` (the layer's 16-bit
+  dtype, head dim contiguous) and their strides. ``GluonPrefillStep.launch`` makes the
+  whole launch at once (tests, tuning).
 """
 
 from __future__ import annotations
@@ -159,6 +161,15 @@ class GluonPrefillStep:
     grid: tuple[int, int]  # (query blocks, upper bound; KV heads)
     kwargs: dict[str, Any]  # the step's arguments, constants and launch options
 
+    @functools.cached_property
+    def template(self) -> KernelLaunch:
+        """The step's launch, for ``KernelLaunch.run_with``: the impl adds one group of
+        the layer's arguments (``gluon_cache_args`` and ``gluon_layer_args``, once per
+        cache) and the forward's ``call_args``."""
+        from pagedkv.backends.triton.gluon_prefill import gluon_prefill_kernel
+
+        return KernelLaunch(gluon_prefill_kernel, self.grid, self.kwargs)
+
     def launch(
         self,
         query: torch.Tensor,
@@ -166,26 +177,23 @@ class GluonPrefillStep:
         layer_args: Mapping[str, Any],
         cache_args: Mapping[str, Any],
     ) -> KernelLaunch:
-        """query, output: [T, Hq, D] with a contiguous head dim; layer_args:
-        ``gluon_layer_args``'s; cache_args: ``gluon_cache_args``'s."""
-        qs, os_ = query.stride(), output.stride()
-        if qs[2] != 1 or os_[2] != 1:
-            name = "query" if qs[2] != 1 else "output"
-            raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
-        from pagedkv.backends.triton.gluon_prefill import gluon_prefill_kernel
+        """One whole launch (tests, tuning). query, output: [T, Hq, D] with a contiguous
+        head dim; layer_args: ``gluon_layer_args``'s; cache_args: ``gluon_cache_args``'s."""
+        kwargs = dict(self.kwargs, **cache_args, **layer_args, **call_args(query, output))
+        return KernelLaunch(self.template.kernel, self.grid, kwargs)
 
-        kwargs = dict(
-            self.kwargs,
-            **cache_args,
-            Q=query,
-            Out=output,
-            **layer_args,
-            stride_qt=qs[0],
-            stride_qh=qs[1],
-            stride_ot=os_[0],
-            stride_oh=os_[1],
-        )
-        return KernelLaunch(gluon_prefill_kernel, self.grid, kwargs)
+
+def call_args(query: torch.Tensor, output: torch.Tensor) -> dict[str, Any]:
+    """A forward's arguments: query and output [T, Hq, D] (head dim contiguous) and their
+    strides; the names the portable kernel uses too."""
+    qs, os_ = query.stride(), output.stride()
+    if qs[2] != 1 or os_[2] != 1:
+        name = "query" if qs[2] != 1 else "output"
+        raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
+    return {
+        "Q": query, "Out": output, "stride_qt": qs[0], "stride_qh": qs[1],
+        "stride_ot": os_[0], "stride_oh": os_[1],
+    }  # fmt: skip
 
 
 def plan_gluon_prefill(

@@ -19,6 +19,7 @@ import torch
 from pagedkv.backend import AttentionImpl
 from pagedkv.backends.triton.builder import TritonMetadata
 from pagedkv.backends.triton.configs import LayerShape
+from pagedkv.backends.triton.gluon_plan import call_args as gluon_call_args
 from pagedkv.backends.triton.gluon_plan import (
     gluon_cache_args,
     gluon_cache_problem,
@@ -88,10 +89,10 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         programs are placed first; the caller's stream waits for both (CUDA graphs
         capture the fork and the join)."""
         main = torch.cuda.current_stream(device)
-        side = _SIDE_STREAMS.get(device)
-        if side is None:  # one per device, for every layer
-            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-        forked, joined = torch.cuda.Event(), torch.cuda.Event()
+        side_stream = _SIDE_STREAMS.get(device)
+        if side_stream is None:  # one per device, for every layer and step
+            side_stream = _SIDE_STREAMS[device] = _SideStream(device)
+        side, forked, joined = side_stream.stream, side_stream.forked, side_stream.joined
         forked.record(main)
         side.wait_event(forked)
         by_part: dict[int, list] = {0: [], 1: []}
@@ -136,24 +137,17 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
                 f"metadata: planned for {md.layer.describe()}, but this layer is "
                 f"{self.layer.describe()} (build it with a builder for this layer's spec)"
             )
-        qs, os_ = query.stride(), output.stride()
-        if qs[2] != 1 or os_[2] != 1:
-            name = "query" if qs[2] != 1 else "output"
-            raise UnsupportedError(f"{name}: the head dimension must be contiguous (stride 1)")
+        # the forward's own arguments, the same names in every kernel (strides checked)
+        attention_call = gluon_call_args(query, output)
+        reduce_call = {k: attention_call[k] for k in ("Out", "stride_ot", "stride_oh")}
         # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
-        gluon_cache = None
+        gluon_layer = None
         if any(part.gluon is not None for part in md.parts):
-            gluon_cache = self._gluon_cache_args(kv_cache)
-        attention_call = {
-            "Out": output, "Q": query, "stride_qt": qs[0], "stride_qh": qs[1],
-            "stride_ot": os_[0], "stride_oh": os_[1],
-        }  # fmt: skip
-        reduce_call = {"Out": output, "stride_ot": os_[0], "stride_oh": os_[1]}
+            gluon_layer = self._gluon_launch_args(kv_cache)
         layer_args = None
         for index, part in enumerate(md.parts):
-            if part.gluon is not None and gluon_cache is not None:
-                layer = self._gluon_layer_args
-                yield index, part.gluon.launch(query, output, layer, gluon_cache), (), {}
+            if part.gluon is not None and gluon_layer is not None:
+                yield index, part.gluon.template, (gluon_layer,), attention_call
                 continue
             if layer_args is None:
                 layer_args = self._layer_launch_args(query.device, kv_cache)
@@ -234,15 +228,18 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         )
         return k, v, strides
 
-    def _gluon_cache_args(self, kv_cache: torch.Tensor) -> dict[str, Any] | None:
-        """The Gluon kernel's TMA descriptors over ``kv_cache`` (once per cache, with its
-        views), or None when TMA cannot read this cache (the portable kernel runs)."""
+    def _gluon_launch_args(self, kv_cache: torch.Tensor) -> LaunchArgs | None:
+        """The Gluon kernel's layer arguments over ``kv_cache``, its TMA descriptors among
+        them (once per cache, with its views), or None when TMA cannot read this cache
+        (the portable kernel runs)."""
         self._cache_views(kv_cache)
         memo = self._views
         assert memo is not None
         if memo.gluon is _UNSET:  # the memo's K/V views: the cache's bytes, its strides
-            problem = gluon_cache_problem(memo.k, memo.v)
-            memo.gluon = None if problem else gluon_cache_args(self.spec, memo.k, memo.v)
+            memo.gluon = None
+            if gluon_cache_problem(memo.k, memo.v) is None:
+                descriptors = gluon_cache_args(self.spec, memo.k, memo.v)
+                memo.gluon = LaunchArgs({**descriptors, **self._gluon_layer_args})
         return memo.gluon  # type: ignore[return-value]
 
     def _forget_views(self, _: object) -> None:
@@ -250,8 +247,19 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
 
 
 _UNSET = object()
-# the stream a two-part step's longer requests run on, per device
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class _SideStream:
+    """The stream a two-part step's longer requests run on, and the fork and join events
+    (re-recorded by every step: a wait is on the event's latest record, in a capture too;
+    creating and destroying two events per call cost host time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self.forked, self.joined = torch.cuda.Event(), torch.cuda.Event()
+
+
+_SIDE_STREAMS: dict[torch.device, _SideStream] = {}
 
 
 @dataclass
@@ -264,8 +272,8 @@ class _CacheViews:
     k: torch.Tensor
     v: torch.Tensor
     strides: dict[str, int]
-    # the Gluon kernel's descriptors over this cache (None: TMA cannot read it), made
-    # on its first Gluon step
+    # the Gluon kernel's layer arguments with its descriptors over this cache (None:
+    # TMA cannot read it), made on its first Gluon step
     gluon: object = _UNSET
     # (device, the attention's and the reduction's layer arguments over these views)
     launch_args: tuple[torch.device, LaunchArgs, LaunchArgs] | None = None
