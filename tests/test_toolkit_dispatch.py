@@ -74,6 +74,10 @@ def test_second_call_skips_the_dispatch_with_every_argument_in_place():
     # every parameter in the kernel's order, the default where nothing was given, a
     # tensor as its address (the launcher then asks the driver nothing)
     assert grid == (3, 2, 1) and stream == 7 and args == (y.data_ptr(), 32, 7, 64, 2.0)
+    # a stream given: launched there, by its handle (the current stream stays current)
+    side = type("Stream", (), {"cuda_stream": 11})()
+    launch(kernel, (3, 2), (step, layer), {"X": y, "stride": 7}, stream=side)
+    assert compiled.ran[-1][1] == 11
 
 
 def test_a_layer_group_swapped_in_lays_the_arguments_out_again():

@@ -88,21 +88,22 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         the SMs. The longer part goes first, on a stream of higher priority, so that its
         programs are placed first; the caller's stream waits for both (CUDA graphs
         capture the fork and the join)."""
-        main = torch.cuda.current_stream(device)
+        # the current device's stream, where the kernels launch (Triton's dispatch too)
+        main = torch.cuda.current_stream()
         side_stream = _SIDE_STREAMS.get(device)
         if side_stream is None:  # one per device, for every layer and step
             side_stream = _SIDE_STREAMS[device] = _SideStream(device)
         side, forked, joined = side_stream.stream, side_stream.forked, side_stream.joined
         forked.record(main)
         side.wait_event(forked)
-        by_part: dict[int, list] = {0: [], 1: []}
+        decodes = []
         for part, template, layer, call in launches:
-            by_part[part].append((template, layer, call))
-        with torch.cuda.stream(side):
-            for template, layer, call in by_part[1]:
-                template.run_with(*layer, call=call)
+            if part == 1:  # the longer requests first, on the side stream (not made current)
+                template.run_with(*layer, call=call, stream=side)
+            else:
+                decodes.append((template, layer, call))
         joined.record(side)
-        for template, layer, call in by_part[0]:
+        for template, layer, call in decodes:
             template.run_with(*layer, call=call)
         main.wait_event(joined)
 

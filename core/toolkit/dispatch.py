@@ -44,14 +44,6 @@ def specialization(value: Any) -> Any:
     never coarser than Triton's own specialisation), or ``_OPAQUE``."""
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
-    if _is_tensor_descriptor(value):
-        # Triton keys a host descriptor by dtype, block shape and layout; the rest is finer
-        return (
-            "desc", type(value).__qualname__, specialization(value.base),
-            tuple(value.block_shape), repr(getattr(value, "layout", None)),
-            getattr(value, "padding", None),
-            *(specialization(int(n)) for n in (*value.shape, *value.strides)),
-        )  # fmt: skip
     if isinstance(value, bool):
         return ("b", value)
     if isinstance(value, int):
@@ -60,6 +52,14 @@ def specialization(value: Any) -> Any:
         return "f"
     if value is None:
         return None
+    if _is_tensor_descriptor(value):
+        # Triton keys a host descriptor by dtype, block shape and layout; the rest is finer
+        return (
+            "desc", type(value).__qualname__, specialization(value.base),
+            tuple(value.block_shape), repr(getattr(value, "layout", None)),
+            getattr(value, "padding", None),
+            *(specialization(int(n)) for n in (*value.shape, *value.strides)),
+        )  # fmt: skip
     return _OPAQUE
 
 
@@ -170,30 +170,34 @@ def launch(
     grid: Sequence[int],
     shared: Sequence[LaunchArgs],
     call: Mapping[str, Any],
+    stream: torch.cuda.Stream | None = None,
 ) -> Any:
     """``kernel[grid](**shared..., **call)``: through Triton's dispatch the first time a
     specialisation is seen, directly after that. ``call`` holds the non-constexpr
-    arguments that change from call to call. Returns Triton's handle on a dispatched
-    call, None on a direct one."""
+    arguments that change from call to call. ``stream``: launch there instead of on the
+    current stream (without making it current: a direct launch takes its handle).
+    Returns Triton's handle on a dispatched call, None on a direct one."""
     params = _params(kernel)
     bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
     if params is None or None in bound:
-        return _dispatch(kernel, grid, shared, call)
+        return _dispatch(kernel, grid, shared, call, stream)
     call_spec = tuple(specialization(v) for v in call.values())
     key = (id(kernel), *(b[0] for b in bound), *call.keys(), *call_spec)
     compiled = _VARIANTS.get(key)
     if compiled is None:
         if _OPAQUE in call_spec or any(n in params.constexprs for n in call):
-            return _dispatch(kernel, grid, shared, call)
-        handle = _dispatch(kernel, grid, shared, call)
-        if all(hasattr(handle, a) for a in ("run", "function", "packed_metadata")):
-            _VARIANTS[key] = handle
-        return handle
+            return _dispatch(kernel, grid, shared, call, stream)
+        found = _dispatch(kernel, grid, shared, call, stream)
+        if all(hasattr(found, a) for a in ("run", "function", "packed_metadata")):
+            _VARIANTS[key] = found
+        return found
     args = _laid_out(kernel, params, shared, bound).copy()
     index = params.index
     for name, value in call.items():
         args[index[name]] = launch_value(value)
-    _launch_compiled(compiled, grid, args)
+    _launch_compiled(
+        compiled, grid, args, current_stream() if stream is None else stream.cuda_stream
+    )
     return None
 
 
@@ -215,13 +219,20 @@ def _laid_out(kernel: Any, params: _Params, shared: Sequence[LaunchArgs], bound:
 
 
 def _dispatch(
-    kernel: Any, grid: Sequence[int], shared: Sequence[LaunchArgs], call: Mapping[str, Any]
+    kernel: Any,
+    grid: Sequence[int],
+    shared: Sequence[LaunchArgs],
+    call: Mapping[str, Any],
+    stream: torch.cuda.Stream | None = None,
 ) -> Any:
     kwargs: dict[str, Any] = {}
     for g in shared:
         kwargs.update(g.values)
     kwargs.update(call)
-    return kernel[tuple(grid)](**kwargs)
+    if stream is None:
+        return kernel[tuple(grid)](**kwargs)
+    with torch.cuda.stream(stream):  # Triton's dispatch launches on the current stream
+        return kernel[tuple(grid)](**kwargs)
 
 
 @functools.cache
@@ -245,9 +256,8 @@ def current_stream() -> int:
     return get_stream(get_device())
 
 
-def _launch_compiled(compiled: Any, grid: Sequence[int], args: list[Any]) -> None:
-    """What Triton's dispatch ends with: the variant's launcher on the current stream."""
-    stream = current_stream()
+def _launch_compiled(compiled: Any, grid: Sequence[int], args: list[Any], stream: int) -> None:
+    """What Triton's dispatch ends with: the variant's launcher on ``stream``."""
     g = (*grid, 1, 1)[:3]
     hooks = _runtime_knobs()
     compiled.run(

@@ -29,16 +29,19 @@ class KernelLaunch:
     def __call__(self) -> Any:
         return self.kernel[self.grid](**self.kwargs)
 
-    def run_with(self, *more: LaunchArgs, call: Mapping[str, Any]) -> None:
+    def run_with(
+        self, *more: LaunchArgs, call: Mapping[str, Any], stream: torch.cuda.Stream | None = None
+    ) -> None:
         """This launch completed with ``more`` shared arguments (a layer's) and ``call``'s
         per-call ones (a forward's tensors and their strides), without Triton's per-call
-        dispatch once the variant is known (``pagedkv.toolkit.dispatch``). The template's
-        ``kwargs`` must not change after the first call."""
+        dispatch once the variant is known (``pagedkv.toolkit.dispatch``), on ``stream``
+        (default: the current one). The template's ``kwargs`` must not change after the
+        first call."""
         shared = self._shared
         if shared is None:
             shared = LaunchArgs(self.kwargs)
             object.__setattr__(self, "_shared", shared)
-        dispatch.launch(self.kernel, self.grid, (shared, *more), call)
+        dispatch.launch(self.kernel, self.grid, (shared, *more), call, stream)
 
 
 def run_launches(launches: list[KernelLaunch]) -> Any:
