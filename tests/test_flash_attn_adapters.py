@@ -457,16 +457,26 @@ def test_fa4_on_sm100_splits_itself(fakes, monkeypatch):
 
 
 def test_the_policy_splits_long_decodes_of_small_batches(fakes):
-    # one decode over 2048 keys, 2 KV heads: 2 programs on the 4-SM CPU stand-in; the
-    # policy wants 2 per SM, slices of at least 512 keys: 4 slices
+    # one decode over 2048 keys, 2 KV heads: 2 programs on the 4-SM CPU stand-in (FA4:
+    # one program per SM). The makespan rule: 2 slices of 1024 keys fill the SMs in one
+    # wave (1024 + 224 keys of time); 4 of 512 take two (2 x (512 + 224))
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16,
                          block_size=16)  # fmt: skip
     backend = CPUFlashAttn(impl="fa4")
     builder = backend.make_builder(spec, "cpu")
     step = CommonAttentionMetadata.from_requests([2048], [1], [list(range(1, 129))], 16)
     md = builder.build(step)
-    assert md.sliced is not None and md.sliced.slices.keys_per_split == 512
-    assert md.sliced.metadata.common.seq_lens_cpu.tolist() == [512] * 4
+    assert md.sliced is not None and md.sliced.slices.keys_per_split == 1024
+    assert md.sliced.metadata.common.seq_lens_cpu.tolist() == [1024] * 2
+    # a ragged batch: the long request is sliced in fixed ranges, the short ones stay whole
+    ragged = CommonAttentionMetadata.from_requests(
+        [4096, 300, 200], [1] * 3, [list(range(1, 257)), [257] * 19, [300] * 13], 16
+    )
+    md = builder.build(ragged)
+    assert md.sliced is not None
+    kept = md.sliced.metadata.common.seq_lens_cpu.tolist()
+    per = md.sliced.slices.keys_per_split
+    assert kept == [per] * (4096 // per) + [300, 200], kept
     # many decodes fill the GPU: no split
     many = CommonAttentionMetadata.from_requests([2048] * 2, [1] * 2, [list(range(1, 129))] * 2, 16)
     assert builder.build(many).sliced is None

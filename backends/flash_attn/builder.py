@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.flash_attn.adapters import gpu_major, require_adapter
-from pagedkv.backends.flash_attn.configs import SPLIT_POLICY, fa4_programs
+from pagedkv.backends.flash_attn.configs import SPLIT_POLICY, fa4_programs, slice_choice
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.split_kv import (
@@ -118,6 +118,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         if bounds is None:
             query_lens = common.query_lens_cpu.tolist()
             max_query_len, max_seq_len = common.max_query_len, common.max_seq_len
+            seq_lens = common.seq_lens_cpu.numpy()
         elif self.route == "combinator" and bounds.max_query_len > 1:
             # a mixed reservation keeps the plain call: slices serve decode-only graphs
             return SplitChoice(1, bounds.max_blocks_per_req * s.block_size)
@@ -125,6 +126,12 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
             query_lens = [bounds.max_query_len] * bounds.max_num_reqs
             max_query_len = bounds.max_query_len
             max_seq_len = bounds.max_blocks_per_req * s.block_size
+            seq_lens = np.full(bounds.max_num_reqs, max_seq_len)
+        if self.route == "combinator" and not self.forced_splits and max_query_len <= 1:
+            # a decode step: slices of the requests' keys, by the makespan rule
+            return slice_choice(
+                seq_lens, s.num_queries_per_kv, s.num_kv_heads, s.block_size, num_sms(self.device)
+            )
         return SPLIT_POLICY.choose(
             fa4_programs(query_lens, s.num_queries_per_kv, s.num_kv_heads),
             max_query_len,

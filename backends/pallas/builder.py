@@ -62,7 +62,7 @@ def plan_tiles(
 
 class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
     """Cuts each request's query rows into tiles of ``block_q`` tokens and chooses the
-    split count (``pagedkv.toolkit.split_kv`` with ``configs.SPLIT_POLICY``). Options:
+    split count (``configs.choose_splits``: the toolkit's makespan rule). Options:
     ``block_m``, ``block_n`` and ``num_splits`` (0 = chosen per step)."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
@@ -75,7 +75,6 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         self.forced_splits = configs.check_num_splits(
             int(options.get("num_splits") or 0), "option num_splits"
         )
-        self.split_policy = configs.SPLIT_POLICY
         self.num_sms = num_sms(self.device)
 
     def build_metadata(
@@ -94,16 +93,19 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         max_query_len = int(query_lens.max(initial=0))
         block_q = configs.block_q(max_query_len, self.group_pad, self.block_m)
         tile_req, tile_qstart = plan_tiles(query_lens, common.num_tokens, block_q)
-        num_real = int(np.count_nonzero(tile_req >= 0))
-
-        splits = self.split_policy.choose(
-            num_real * self.spec.num_kv_heads,
+        seq_lens = common.seq_lens_cpu.numpy()
+        splits = configs.choose_splits(
+            seq_lens[tile_req[tile_req >= 0]],
             max_query_len,
-            int(common.seq_lens_cpu.numpy().max(initial=0)),
-            self.num_sms,
+            num_heads=self.spec.num_heads,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_size=self.spec.head_size,
+            cache_bytes=self.spec.cache_dtype.itemsize,
+            num_tokens=common.num_tokens,
+            block_n=self.block_n,
+            num_sms=self.num_sms,
             forced=configs.check_num_splits(num_splits or 0, "build(num_splits)")
             or self.forced_splits,
-            granule=self.block_n,
         ).num_splits
 
         block_table = interop.to_jax(common.block_table, "block_table", allow_copy=True)

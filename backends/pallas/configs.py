@@ -8,8 +8,9 @@ module is loaded. Measured on an H200 (bf16, Hq 32 or 64 over Hkv 8, head 128, b
 
 from __future__ import annotations
 
+import numpy as np
 from pagedkv.errors import ConfigError
-from pagedkv.toolkit.split_kv import SplitPolicy
+from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split
 
 # Rows of one tile = query tokens x the query heads of one KV head (GQA packed into
 # the rows, the group padded to a power of two). Decode-like batches, whose longest
@@ -26,7 +27,9 @@ NUM_STAGES = 2
 # Flash-decoding. H200 kernel times for 1 x 32k decode (8 programs unsplit): 64 splits
 # 36 us, 32 splits 42 us, 16 splits 64 us; for 4 x 32k (32 programs): 16 splits 127 us,
 # 32 splits 128 us, 8 splits 152 us; 256 x 1024 (2048 programs): unsplit 250 us, 2
-# splits 261 us. So: split below 2 programs per SM, aim at 4, keep 512 keys per split.
+# splits 261 us. Decode-like steps split by the toolkit's makespan rule (``choose_splits``:
+# a ragged batch's longest request is its critical path, which the count of programs
+# alone does not see); each split keeps at least 512 keys, at most 64 splits.
 SPLIT_POLICY = SplitPolicy(
     max_query_len=8,
     split_below_programs_per_sm=2.0,
@@ -34,6 +37,13 @@ SPLIT_POLICY = SplitPolicy(
     min_keys_per_split=512,
     max_splits=64,
 )
+# Programs of the decode tile one SM holds at once (an estimate: a 4-warp program of
+# 16 rows x 64 keys at head 128 takes ~128 registers a thread, 65536 / (128 x 128) = 4;
+# its two stages of K/V tiles, 2 x 2 x 64 x 128 x 2 bytes, leave shared memory to spare)
+PROGRAMS_PER_SM = 4
+# A program's fixed cost (query load, first page-table reads, epilogue) in keys
+# streamed: about one 64-key step, as the triton backend's kernel of the same tiles
+PROGRAM_OVERHEAD_KEYS = 64
 
 
 def next_power_of_2(n: int) -> int:
@@ -72,6 +82,41 @@ def check_num_splits(value: int, where: str) -> int:
             f"{where}={value}: expected 0 (chosen per step) to {SPLIT_POLICY.max_splits}"
         )
     return value
+
+
+def choose_splits(
+    tile_keys: np.ndarray,
+    max_query_len: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_bytes: int,
+    num_tokens: int,
+    block_n: int,
+    num_sms: int,
+    forced: int = 0,
+) -> SplitChoice:
+    """A step's KV splits: forced, none for longer queries, else the toolkit's makespan
+    rule over the tiles' keys (``tile_keys``: the keys each query tile visits, for one KV
+    head; the kernel cuts every tile's range into even shares)."""
+    longest = int(np.max(tile_keys, initial=0))
+    if forced or max_query_len > SPLIT_POLICY.max_query_len or longest <= 0:
+        return SPLIT_POLICY.choose(
+            len(tile_keys) * num_kv_heads, max_query_len, longest, num_sms,
+            forced=forced, granule=block_n,
+        )  # fmt: skip
+    slots = PROGRAMS_PER_SM * num_sms
+    # each split's partials: fp32 rows of the padded head and a log-sum-exp per head
+    partial_bytes = num_tokens * num_heads * (head_pad(head_size) + 1) * 4
+    return SPLIT_POLICY.choose_by_makespan(
+        np.asarray(tile_keys, dtype=np.float64),
+        slots,
+        granule=block_n,
+        overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=merge_keys_per_split(partial_bytes, slots, head_size, cache_bytes),
+        copies=num_kv_heads,
+    )
 
 
 def split_slots(num_splits: int) -> int:

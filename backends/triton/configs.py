@@ -41,7 +41,7 @@ from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit
-from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy
+from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
 # Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
@@ -734,15 +734,14 @@ def makespan_splits(
         limit = min(limit, max_splits)
     slots = slots_per_sm(layer, tile, False, fit) * num_sms
     split_slots = slots_per_sm(layer, tile, True, fit) * num_sms
-    # the reduction writes and reads each split's partials once, in the time the
-    # split grid's slots stream this many keys
-    key_bytes = split_slots * 2 * layer.head_size * layer.cache_bytes
     return SPLIT_POLICY.choose_by_makespan(
         program_keys(layer, step, block_q),
         slots,
         granule=tile.tile_n,
         overhead_keys=PROGRAM_OVERHEAD_KEYS,
-        merge_keys_per_split=2 * split_bytes / key_bytes,
+        merge_keys_per_split=merge_keys_per_split(
+            split_bytes, split_slots, layer.head_size, layer.cache_bytes
+        ),
         max_splits=limit,
         copies=layer.num_kv_heads,
         split_slots=split_slots,

@@ -245,6 +245,13 @@ class SplitPolicy:
         return SplitChoice(cdiv(max_seq_len, keys), keys)
 
 
+def merge_keys_per_split(partial_bytes: int, slots: int, head_size: int, cache_bytes: int) -> float:
+    """The reduction's cost per split in ``choose_by_makespan``'s unit (keys one program
+    streams): it writes and reads ``partial_bytes`` (one split's partial results) once,
+    in the time ``slots`` programs stream that many keys of K and V."""
+    return 2 * partial_bytes / (slots * 2 * head_size * cache_bytes)
+
+
 def _grid_time(
     work: np.ndarray, longest: np.ndarray, programs: np.ndarray, slots: np.ndarray
 ) -> np.ndarray:
