@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pagedkv
 import pytest
 import torch
@@ -29,6 +30,7 @@ from pagedkv.backends.flash_attn.adapters import (
     installed_adapters,
 )
 from pagedkv.backends.flash_attn.backend import FlashAttnBackend
+from pagedkv.backends.flash_attn.configs import slice_choice
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
 from pagedkv.toolkit.kv_write import write_rows_by_slot
@@ -483,6 +485,19 @@ def test_the_policy_splits_long_decodes_of_small_batches(fakes):
     # nor for layers the combinator cannot split
     window = backend.make_builder(spec.replace(sliding_window=256), "cpu").build(step)
     assert window.sliced is None and window.num_splits == 1
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "expected"),
+    [([32767], (16, 2048)), ([32767] * 4, (4, 8192)), ([4096] * 64, (1, 4096))],
+    ids=["1x32k", "4x32k", "64x4096"],
+)
+def test_slices_keep_the_h200_measurements(seq_lens, expected):
+    """Hq 32 / Hkv 8 on 132 SMs: the slice counts the H200 measured fastest (1 x 32k: 16
+    slices 49.9 us against 52.9 for 33 and 65.1 for 64, docs/benchmarks.md); a full
+    grid does not split."""
+    choice = slice_choice(np.array(seq_lens), 4, 8, 16, 132)
+    assert (choice.num_splits, choice.keys_per_split) == expected
 
 
 @pytest.mark.parametrize(("forced", "passed"), [(None, 0), (1, 1), (6, 6)])

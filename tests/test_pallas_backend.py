@@ -341,6 +341,23 @@ def test_kv_splits_fill_the_gpu_only_when_few_long_requests_decode(num_reqs, con
     assert np.asarray(md.arrays.num_splits).tolist() == [splits]
 
 
+def test_a_ragged_batch_splits_its_critical_path():
+    """Many short decodes beside one long one: the grid is full, but the long request is
+    its critical path; the makespan rule splits (the earlier rule, which counted programs
+    only, did not: 945 us against 277 on the H200's GQA 8 row, docs/benchmarks.md)."""
+    spec = AttentionSpec(
+        num_heads=64, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=16
+    )
+    builder = PallasMetadataBuilder(spec, "cpu")
+    builder.num_sms = 132
+    seq_lens = [1000] * 63 + [32768]
+    common = pagedkv.CommonAttentionMetadata.from_requests(
+        seq_lens, [1] * 64, [[0] * -(-n // 16) for n in seq_lens], 16
+    )
+    md = builder.build(common)
+    assert md.num_splits >= 8 and 32768 / md.num_splits <= 4096, md.num_splits
+
+
 def test_split_count_is_chosen_on_cpu_and_launched_in_power_of_two_slots():
     """The CPU stand-in for the SM count splits few long decodes (so CI runs the split
     path); a forced count is kept whole when every split gets keys, and launched in
