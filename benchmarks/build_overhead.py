@@ -1,7 +1,10 @@
 """What the always-on step checks cost: CPU time of ``check_step`` and of a whole
-``builder.build()`` for 1, 64 and 512 requests (decode steps, 4k-token contexts).
+``builder.build()`` for 1, 64 and 512 requests (decode steps, 4k-token contexts); with
+``--forward``, the Python of one triton ``forward`` (checks, planning, the direct launch
+path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU.
 
     python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda]
+    TRITON_INTERPRET=1 python benchmarks/build_overhead.py --forward
 
 Host time only: the checks read the metadata's CPU copies and never sync the device.
 Medians of repeated calls (``time.thread_time``, so other processes on the machine
@@ -11,6 +14,7 @@ count less); the figure to compare with is a model step's time, milliseconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -46,11 +50,73 @@ def median_us(fn, repeats: int = 2000) -> float:
     return 1e6 * statistics.median(samples)
 
 
+def stub_launcher() -> None:
+    """Direct launches without a GPU: the kernels' parameters read from their source
+    (Triton's interpreter compiles nothing), a variant that launches nothing."""
+    import inspect
+
+    from pagedkv.toolkit import dispatch
+
+    class Variant:
+        function = packed_metadata = 0
+
+        def run(self, *args: object) -> None:
+            pass
+
+        def launch_metadata(self, *args: object) -> None:
+            return None
+
+    def params(kernel):
+        signature = inspect.signature(kernel.fn).parameters
+        names = tuple(signature)
+        return dispatch._Params(
+            names,
+            {n: i for i, n in enumerate(names)},
+            frozenset(n for n, p in signature.items() if "constexpr" in str(p.annotation)),
+            tuple(None if p.default is p.empty else p.default for p in signature.values()),
+        )  # fmt: skip
+
+    dispatch._params = functools.cache(params)
+    dispatch._dispatch = lambda *args, **kwargs: Variant()
+    dispatch.current_stream = lambda: 0
+
+
+def forward_overhead() -> None:
+    """One triton forward's Python (launcher stubbed): a 1 x 32k decode (attention and
+    reduction) and a mixed step of 16 decodes and a 256-token chunk (two parts)."""
+    stub_launcher()
+    backend = pagedkv.get_backend("triton")
+    steps = {
+        "decode 1x32k": ([32768], [1]),
+        "mixed 16+1": ([4000] * 16 + [31621], [1] * 16 + [256]),
+    }
+    print(f"{'step':>14}  {'launches':>8}  {'forward us':>10}")
+    for name, (seq_lens, query_lens) in steps.items():
+        tables, first = [], 1
+        for n in seq_lens:
+            tables.append(list(range(first, first - (-n // 16))))
+            first += len(tables[-1])
+        common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+        cache = backend.allocate_kv_cache(first, SPEC, "cpu")
+        metadata = backend.make_builder(SPEC, "cpu").build(common)
+        impl = backend.make_impl(SPEC)
+        query = torch.randn(sum(query_lens), SPEC.num_heads, SPEC.head_size).to(SPEC.dtype)
+        out = torch.empty_like(query)
+        launches = len(impl.plan(query, cache, metadata, out))
+        forward = functools.partial(impl.forward, query, None, None, cache, metadata, out)
+        us = median_us(forward, 4000)
+        print(f"{name:>14}  {launches:>8}  {us:>10.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="torch")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--forward", action="store_true", help="a triton forward's Python instead")
     args = p.parse_args()
+    if args.forward:
+        forward_overhead()
+        return
     print(
         f"{'requests':>8}  {'check_step us':>13}  "
         + "  ".join(f"{b + ' build us':>16}" for b in args.backends.split(","))

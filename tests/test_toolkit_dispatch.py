@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from pagedkv.toolkit import dispatch
-from pagedkv.toolkit.dispatch import LaunchArgs, launch, specialization
+from pagedkv.toolkit.dispatch import LaunchArgs, launch, launch_value, specialization
 
 
 @dataclass
@@ -162,3 +162,61 @@ def test_specialization_is_never_coarser_than_tritons():
     assert specialization(True) != specialization(1)
     t = torch.zeros(4, dtype=torch.float32)
     assert specialization(t) != specialization(t.half()) != specialization(t[1:])
+
+
+def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
+    """The triton backend's real launches (a mixed step: split decodes and a chunk, each
+    an attention and a reduction): the second forward's direct launches pass, in the
+    kernels' parameter order, exactly what the first forward gave Triton's dispatch
+    (tensors as their addresses, defaults where nothing was given). Triton's interpreter
+    has no compiled variants, so the kernels' parameters are read from their source."""
+    import pagedkv
+    from pagedkv import AttentionSpec, CommonAttentionMetadata
+
+    def source_params(kernel):
+        signature = inspect.signature(kernel.fn)
+        names = tuple(signature.parameters)
+        return dispatch._Params(
+            names,
+            {n: i for i, n in enumerate(names)},
+            frozenset(n for n, p in signature.parameters.items() if "constexpr" in str(p.annotation)),
+            tuple(None if p.default is p.empty else p.default for p in signature.parameters.values()),
+        )  # fmt: skip
+
+    dispatched, variants = [], {}
+
+    def dispatch_once(kernel, grid, shared, call, stream=None):
+        kwargs = {k: v for g in shared for k, v in g.values.items()} | dict(call)
+        dispatched.append((kernel, kwargs))
+        return variants.setdefault(len(dispatched), _Compiled())
+
+    monkeypatch.setattr(dispatch, "_params", source_params)
+    monkeypatch.setattr(dispatch, "_dispatch", dispatch_once)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
+                         block_size=16)  # fmt: skip
+    seq_lens, query_lens = [4000, 40, 900, 3000], [1, 1, 1, 64]
+    tables, first = [], 1
+    for n in seq_lens:
+        tables.append(list(range(first, first + -(-n // 16))))
+        first += len(tables[-1])
+    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    backend = pagedkv.get_backend("triton")
+    md = backend.make_builder(spec, "cpu").build(common)
+    assert len(md.parts) == 2 and all(p.reduce is not None for p in md.parts), md.describe()
+    impl, cache = backend.make_impl(spec), backend.allocate_kv_cache(first, spec, "cpu")
+    query = torch.randn(common.num_actual_tokens, 8, 32).half()
+    impl.forward(query, None, None, cache, md, torch.empty_like(query))
+    assert len(dispatched) == 4  # every launch's first call: Triton's dispatch
+    impl.forward(query, None, None, cache, md, out := torch.empty_like(query))
+    assert len(dispatched) == 4  # the second: direct
+    for index, (kernel, kwargs) in enumerate(dispatched, start=1):
+        params = source_params(kernel)
+        expected = tuple(
+            launch_value(kwargs[n]) if n in kwargs else params.defaults[i]
+            for i, n in enumerate(params.names)
+        )
+        ran = variants[index].ran[-1][2]
+        # the second forward's own output: its address where the first one's was
+        out_params = [i for i, n in enumerate(params.names) if n == "Out"]
+        expected = tuple(out.data_ptr() if i in out_params else v for i, v in enumerate(expected))
+        assert ran == expected, kernel

@@ -129,8 +129,8 @@ class LaunchArgs:
     def __init__(self, values: Mapping[str, Any]) -> None:
         self.values = values
         self._bound: dict[int, tuple[int, tuple[tuple[int, Any], ...]] | None] = {}
-        # a launch's arguments laid out, by (kernel, the groups after this one): see launch
-        self._layouts: dict[tuple[int, ...], tuple[tuple[LaunchArgs, ...], list[Any]]] = {}
+        # a launch's arguments laid out, by (kernel, the groups after this one): _layout
+        self._layouts: dict[tuple[int, ...], tuple[tuple[LaunchArgs, ...], Any]] = {}
 
     def bound(self, kernel: Any, params: _Params) -> tuple[int, tuple[tuple[int, Any], ...]] | None:
         """(key id, (parameter index, value) pairs) for ``kernel``; None when a value
@@ -161,7 +161,7 @@ class LaunchArgs:
         return found
 
 
-# compiled variants by (kernel id, shared groups' key ids, per-call key)
+# compiled variants by (the shared groups' key, the call's names, the call's specialisation)
 _VARIANTS: dict[tuple, Any] = {}
 
 
@@ -177,45 +177,74 @@ def launch(
     arguments that change from call to call. ``stream``: launch there instead of on the
     current stream (without making it current: a direct launch takes its handle).
     Returns Triton's handle on a dispatched call, None on a direct one."""
-    params = _params(kernel)
-    bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
-    if params is None or None in bound:
+    layout = _layout(kernel, shared)
+    if layout is None:  # not a compiled kernel, or a shared value that cannot be keyed
         return _dispatch(kernel, grid, shared, call, stream)
-    call_spec = tuple(specialization(v) for v in call.values())
-    key = (id(kernel), *(b[0] for b in bound), *call.keys(), *call_spec)
+    prefix, template, params = layout
+    # one pass over the call: its key and its values as the launcher takes them (the
+    # common kinds inline: ``specialization``'s keys)
+    call_spec, values = [], []
+    for value in call.values():
+        if isinstance(value, torch.Tensor):
+            address = value.data_ptr()
+            call_spec.append((value.dtype, address % 16 == 0))
+            values.append(address)
+        elif type(value) is int:  # a stride
+            call_spec.append(
+                ("i", value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63)
+            )
+            values.append(value)
+        else:
+            call_spec.append(specialization(value))
+            values.append(value)
+    names = tuple(call)
+    key = (prefix, names, *call_spec)
     compiled = _VARIANTS.get(key)
     if compiled is None:
-        if _OPAQUE in call_spec or any(n in params.constexprs for n in call):
+        if _OPAQUE in call_spec or any(n in params.constexprs for n in names):
             return _dispatch(kernel, grid, shared, call, stream)
         found = _dispatch(kernel, grid, shared, call, stream)
         if all(hasattr(found, a) for a in ("run", "function", "packed_metadata")):
             _VARIANTS[key] = found
         return found
-    args = _laid_out(kernel, params, shared, bound).copy()
+    args = template.copy()
     index = params.index
-    for name, value in call.items():
-        args[index[name]] = launch_value(value)
+    for name, value in zip(names, values):
+        args[index[name]] = value
     _launch_compiled(
         compiled, grid, args, current_stream() if stream is None else stream.cuda_stream
     )
     return None
 
 
-def _laid_out(kernel: Any, params: _Params, shared: Sequence[LaunchArgs], bound: list) -> list[Any]:
-    """Every parameter of ``kernel`` in order, the shared groups' values in place and the
-    defaults elsewhere: kept by the first group (a step's, which lives as long as the
-    step) for the groups after it (a layer's), so each call only copies it."""
-    first, rest = shared[0], tuple(shared[1:])
-    layout_key = (id(kernel), *map(id, rest))
+def _layout(
+    kernel: Any, shared: Sequence[LaunchArgs]
+) -> tuple[tuple[int, ...], list[Any], _Params] | None:
+    """(the shared groups' key, every parameter of ``kernel`` in order with the groups'
+    values in place and the defaults elsewhere, its parameters), or None when the groups
+    cannot be keyed. Kept by the first group (a step's, which lives as long as the step)
+    for the groups after it (a layer's), so a call looks it up once and copies it."""
+    first = shared[0]
+    layout_key = (id(kernel), *map(id, shared[1:]))
     hit = first._layouts.get(layout_key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], rest)):
-        return hit[1]
-    args = list(params.defaults)
-    for b in bound:
-        for i, value in b[1]:
-            args[i] = value
-    first._layouts[layout_key] = (rest, args)
-    return args
+    if hit is not None:
+        rest, layout = hit
+        for kept, given in zip(rest, shared[1:]):
+            if kept is not given:  # an id reused by a new group
+                break
+        else:
+            return layout
+    params = _params(kernel)
+    bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
+    layout = None
+    if params is not None and None not in bound:
+        args = list(params.defaults)
+        for b in bound:
+            for i, value in b[1]:
+                args[i] = value
+        layout = ((id(kernel), *(b[0] for b in bound)), args, params)
+    first._layouts[layout_key] = (tuple(shared[1:]), layout)
+    return layout
 
 
 def _dispatch(
@@ -260,8 +289,10 @@ def _launch_compiled(compiled: Any, grid: Sequence[int], args: list[Any], stream
     """What Triton's dispatch ends with: the variant's launcher on ``stream``."""
     g = (*grid, 1, 1)[:3]
     hooks = _runtime_knobs()
+    enter = hooks.launch_enter_hook
+    # the launch's metadata is only for a hook (Triton's own returns None without one)
+    metadata = None if enter is None else compiled.launch_metadata(g, stream, *args)
     compiled.run(
-        g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-        compiled.launch_metadata(g, stream, *args), hooks.launch_enter_hook,
-        hooks.launch_exit_hook, *args,
+        g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata,
+        enter, hooks.launch_exit_hook, *args,
     )  # fmt: skip
