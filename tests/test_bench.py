@@ -95,3 +95,42 @@ def test_profile_lists_what_one_call_runs(tmp_path):
     ]) == 0  # fmt: skip
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["kernels"]
     assert "Kernels of one eager call" in (tmp_path / "bench.md").read_text()
+
+
+def _run(rows, device="gpu-a"):
+    env = {"gpu": device, "torch": "t", "triton": "tr", "flashinfer": "fi", "command": "cmd"}
+    return {"environment": env, "rows": [dict(r, error="") for r in rows]}
+
+
+def test_merge_compares_each_config_with_the_reference_of_its_own_run(tmp_path, capsys):
+    """Runs merged into one table: a config's speed is against the reference measured in
+    the same run, or (marked *) the latest run's; a later run's row replaces an earlier."""
+    first = _run([
+        {"workload": "w1", "impl": "triton", "eager_us": 120.0, "graph_us": 100.0, "pct_copy": 90.0},
+        {"workload": "w1", "impl": "flashinfer", "eager_us": 110.0, "graph_us": 105.0, "pct_copy": 86.0},
+        {"workload": "w2", "impl": "triton", "eager_us": 50.0, "graph_us": None, "pct_copy": 40.0},
+    ])  # fmt: skip
+    second = _run([
+        {"workload": "w1", "impl": "pallas", "eager_us": 210.0, "graph_us": None, "pct_copy": 45.0},
+        {"workload": "w1", "impl": "flashinfer", "eager_us": 90.0, "graph_us": 84.0, "pct_copy": 99.0},
+        {"workload": "w2", "impl": "flashinfer", "eager_us": 60.0, "graph_us": None, "pct_copy": 30.0},
+    ], device="gpu-b")  # fmt: skip
+    paths = []
+    for i, run in enumerate((first, second)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    md = tmp_path / "merged.md"
+    assert main(["bench", "--merge", *map(str, paths), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
+    # w1: triton against its own run's flashinfer (105 / 100), pallas against its run's
+    # (84 / 210); the flashinfer column shows the latest run's; configs in order of appearance
+    assert lines["w1"] == (
+        "| w1 | 120.0 / 100.0 (90%) | 1.05x | 90.0 / 84.0 (99%) | 210.0 / - (45%) | 0.40x |"
+    )
+    # w2: triton's run had no flashinfer row: the latest run's, marked
+    assert "| 50.0 / - (40%) | 1.20x* |" in lines["w2"]
+    assert "gpu-a" in text and "gpu-b" in text
+    assert "w2" in capsys.readouterr().out
+    assert main(["bench", "--merge", str(tmp_path / "nope.json")]) != 0
+    assert "nope.json: not a pagedkv bench --json file" in capsys.readouterr().err

@@ -76,6 +76,83 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
     return "\n".join(lines) + "\n"
 
 
+def merged_matrix(
+    runs: list[tuple[str, dict[str, Any]]], reference: str = "flashinfer"
+) -> tuple[list[str], list[list[str]], list[str]]:
+    """One table of several ``--json`` runs: a row per workload, per backend config its
+    ``eager / graph`` µs (and % of the copy bandwidth) and its speed against ``reference`` (the reference's best time /
+    its best time, > 1: faster). A later run's row replaces an earlier one of the same
+    (workload, config). The ratio takes the reference from the same run where that run
+    measured it (the same machine and moment), else from the latest run that did, marked
+    ``*``. Returns (headers, rows, the runs' sources, one line each)."""
+    cells: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+    references: dict[str, dict[int, dict[str, Any]]] = {}  # every run's, by workload
+    sources = []
+    for index, (name, run) in enumerate(runs):
+        env = run.get("environment", {})
+        sources.append(
+            f"{name}: {env.get('gpu') or env.get('device')}, torch {env.get('torch')}, "
+            f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; `{env.get('command')}`"
+        )
+        for row in run.get("rows", []):
+            if not row.get("error"):
+                cells[(row["workload"], row["impl"])] = (index, row)
+                if row["impl"] == reference:
+                    references.setdefault(row["workload"], {})[index] = row
+    workloads = list(dict.fromkeys(w for w, _ in cells))
+    impls = list(dict.fromkeys(i for _, i in cells))
+
+    def best(row: dict[str, Any]) -> float | None:
+        times = [t for t in (row.get("eager_us"), row.get("graph_us")) if t is not None]
+        return min(times) if times else None
+
+    headers = ["workload"]
+    for impl in impls:
+        headers.append(f"{impl} eager / graph us (%copy)")
+        if impl != reference:
+            headers.append(f"{impl} vs {reference}")
+    table = []
+    for workload in workloads:
+        ref_runs = references.get(workload, {})
+        line = [workload]
+        for impl in impls:
+            hit = cells.get((workload, impl))
+            if hit is None:
+                line += ["-"] if impl == reference else ["-", "-"]
+                continue
+            index, row = hit
+            line.append(
+                f"{_fmt(row.get('eager_us'), '.1f')} / {_fmt(row.get('graph_us'), '.1f')} "
+                f"({_fmt(row.get('pct_copy'), '.0f')}%)"
+            )
+            if impl == reference:
+                continue
+            ref = ref_runs.get(index)
+            mark = ""
+            if ref is None and ref_runs:
+                ref, mark = ref_runs[max(ref_runs)], "*"
+            ratio = None
+            if ref is not None and best(ref) and best(row):
+                ratio = best(ref) / best(row)
+            line.append("-" if ratio is None else f"{ratio:.2f}x{mark}")
+        table.append(line)
+    return headers, table, sources
+
+
+def merged_markdown(runs: list[tuple[str, dict[str, Any]]], reference: str = "flashinfer") -> str:
+    headers, table, sources = merged_matrix(runs, reference)
+    return "\n".join([
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+        *("| " + " | ".join(c.replace("|", "/") for c in line) + " |" for line in table),
+        "",
+        f"`vs {reference}`: its best time (eager or graph) / the row's (> 1: faster), from the "
+        "same run; `*`: from another run. Runs:",
+        "",
+        *(f"- {s}" for s in sources),
+    ]) + "\n"  # fmt: skip
+
+
 def write_json(path: str, rows: list[Row], env: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(

@@ -67,10 +67,45 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--markdown", metavar="PATH", help="Write a markdown report.")
     parser.add_argument("--plot", metavar="PATH", help="Write a PNG of speed vs the baseline.")
     parser.add_argument("--list", action="store_true", help="List the matrix's workloads and exit.")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="Time nothing: one table of earlier --json runs (a row per workload, per config "
+        "its eager / graph time and its speed against --reference); --markdown writes it.",
+    )
+    parser.add_argument(
+        "--reference", default="flashinfer", help="The config --merge compares with."
+    )
     return parser
 
 
+def merge(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedkv.bench.report import merged_markdown, merged_matrix
+    from pagedkv.errors import ConfigError
+    from pagedkv.textutil import format_table
+
+    runs = []
+    for path in args.merge:
+        try:
+            with open(path) as f:
+                runs.append((path, json.load(f)))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--merge {path}: not a pagedkv bench --json file ({exc})") from exc
+    headers, table, sources = merged_matrix(runs, args.reference)
+    print(format_table(headers, table))
+    print("\n".join(sources))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(merged_markdown(runs, args.reference))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge(args)
     import torch
     from pagedkv.bench import run_bench, select_workloads
     from pagedkv.bench.report import markdown, plot, text_table, write_json
