@@ -269,17 +269,16 @@ class AttentionImpl(ABC, Generic[M]):
             self._cache_checker = layout.checker(self.spec)
         self._cache_checker(kv_cache, device)
         common = getattr(metadata, "common", None)
-        built_for = (
-            common.slot_mapping.device if isinstance(common, CommonAttentionMetadata) else None
-        )
-        if device is not None and built_for is not None and built_for != device:
-            raise UnsupportedError(
-                f"metadata: built for {built_for}, but the query is on {device} "
-                "(build it with a builder for the query's device)"
-            )
-        if full_validation_enabled() and isinstance(common, CommonAttentionMetadata):
-            assert isinstance(kv_cache, torch.Tensor)
-            common.validate(kv_cache.shape[layout.block_axis])
+        if isinstance(common, CommonAttentionMetadata):
+            built_for = common.slot_mapping.device
+            if device is not None and built_for != device:
+                raise UnsupportedError(
+                    f"metadata: built for {built_for}, but the query is on {device} "
+                    "(build it with a builder for the query's device)"
+                )
+            if full_validation_enabled():
+                assert isinstance(kv_cache, torch.Tensor)
+                common.validate(kv_cache.shape[layout.block_axis])
 
     def check_forward_args(
         self,

@@ -19,8 +19,8 @@ import torch
 from pagedkv.backend import AttentionImpl
 from pagedkv.backends.triton.builder import TritonMetadata
 from pagedkv.backends.triton.configs import LayerShape
-from pagedkv.backends.triton.gluon_plan import call_args as gluon_call_args
 from pagedkv.backends.triton.gluon_plan import (
+    call_args,
     gluon_cache_args,
     gluon_cache_problem,
     gluon_layer_args,
@@ -139,7 +139,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
                 f"{self.layer.describe()} (build it with a builder for this layer's spec)"
             )
         # the forward's own arguments, the same names in every kernel (strides checked)
-        attention_call = gluon_call_args(query, output)
+        attention_call = call_args(query, output)
         reduce_call = {k: attention_call[k] for k in ("Out", "stride_ot", "stride_oh")}
         # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
         gluon_layer = None

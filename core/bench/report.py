@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from pagedkv.bench.profile import describe_kernels
@@ -80,13 +80,14 @@ def merged_matrix(
     runs: list[tuple[str, dict[str, Any]]], reference: str = "flashinfer"
 ) -> tuple[list[str], list[list[str]], list[str]]:
     """One table of several ``--json`` runs: a row per workload, per backend config its
-    ``eager / graph`` µs (and % of the copy bandwidth) and its speed against ``reference`` (the reference's best time /
-    its best time, > 1: faster). A later run's row replaces an earlier one of the same
+    ``eager / graph`` µs (and % of the copy bandwidth) and its speed against
+    ``reference`` (the reference's best time / its best time, > 1: faster). A later run's row replaces an earlier one of the same
     (workload, config). The ratio takes the reference from the same run where that run
     measured it (the same machine and moment), else from the latest run that did, marked
     ``*``. Returns (headers, rows, the runs' sources, one line each)."""
-    cells: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
-    references: dict[str, dict[int, dict[str, Any]]] = {}  # every run's, by workload
+    cells: dict[tuple[str, str], tuple[int, Row]] = {}
+    references: dict[str, dict[int, Row]] = {}  # every run's, by workload
+    row_fields = [f.name for f in fields(Row)]
     sources = []
     for index, (name, run) in enumerate(runs):
         env = run.get("environment", {})
@@ -94,17 +95,14 @@ def merged_matrix(
             f"{name}: {env.get('gpu') or env.get('device')}, torch {env.get('torch')}, "
             f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; `{env.get('command')}`"
         )
-        for row in run.get("rows", []):
-            if not row.get("error"):
-                cells[(row["workload"], row["impl"])] = (index, row)
-                if row["impl"] == reference:
-                    references.setdefault(row["workload"], {})[index] = row
+        for saved in run.get("rows", []):
+            row = Row(**{k: saved[k] for k in row_fields if k in saved})
+            if not row.error:
+                cells[(row.workload, row.impl)] = (index, row)
+                if row.impl == reference:
+                    references.setdefault(row.workload, {})[index] = row
     workloads = list(dict.fromkeys(w for w, _ in cells))
     impls = list(dict.fromkeys(i for _, i in cells))
-
-    def best(row: dict[str, Any]) -> float | None:
-        times = [t for t in (row.get("eager_us"), row.get("graph_us")) if t is not None]
-        return min(times) if times else None
 
     headers = ["workload"]
     for impl in impls:
@@ -122,8 +120,8 @@ def merged_matrix(
                 continue
             index, row = hit
             line.append(
-                f"{_fmt(row.get('eager_us'), '.1f')} / {_fmt(row.get('graph_us'), '.1f')} "
-                f"({_fmt(row.get('pct_copy'), '.0f')}%)"
+                f"{_fmt(row.eager_us, '.1f')} / {_fmt(row.graph_us, '.1f')} "
+                f"({_fmt(row.pct_copy, '.0f')}%)"
             )
             if impl == reference:
                 continue
@@ -132,8 +130,8 @@ def merged_matrix(
             if ref is None and ref_runs:
                 ref, mark = ref_runs[max(ref_runs)], "*"
             ratio = None
-            if ref is not None and best(ref) and best(row):
-                ratio = best(ref) / best(row)
+            if ref is not None and ref.best_us and row.best_us:
+                ratio = ref.best_us / row.best_us
             line.append("-" if ratio is None else f"{ratio:.2f}x{mark}")
         table.append(line)
     return headers, table, sources

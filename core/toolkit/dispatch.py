@@ -181,22 +181,7 @@ def launch(
     if layout is None:  # not a compiled kernel, or a shared value that cannot be keyed
         return _dispatch(kernel, grid, shared, call, stream)
     prefix, template, params = layout
-    # one pass over the call: its key and its values as the launcher takes them (the
-    # common kinds inline: ``specialization``'s keys)
-    call_spec, values = [], []
-    for value in call.values():
-        if isinstance(value, torch.Tensor):
-            address = value.data_ptr()
-            call_spec.append((value.dtype, address % 16 == 0))
-            values.append(address)
-        elif type(value) is int:  # a stride
-            call_spec.append(
-                ("i", value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63)
-            )
-            values.append(value)
-        else:
-            call_spec.append(specialization(value))
-            values.append(value)
+    call_spec = [specialization(value) for value in call.values()]
     names = tuple(call)
     key = (prefix, names, *call_spec)
     compiled = _VARIANTS.get(key)
@@ -209,8 +194,8 @@ def launch(
         return found
     args = template.copy()
     index = params.index
-    for name, value in zip(names, values):
-        args[index[name]] = value
+    for name, value in call.items():
+        args[index[name]] = launch_value(value)
     _launch_compiled(
         compiled, grid, args, current_stream() if stream is None else stream.cuda_stream
     )
