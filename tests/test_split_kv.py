@@ -374,6 +374,32 @@ def test_makespan_rule_evens_the_waves_and_cuts_the_critical_path():
     assert dear < free
 
 
+def test_makespan_rule_keeps_within_the_grid():
+    """``max_programs``: a grid sized once (a CUDA graph's) bounds the choice, for even
+    shares and for fixed key ranges alike; one program per entry always fits."""
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+    base = dict(granule=64, overhead_keys=64, copies=8)
+
+    def choose(keys, max_programs=None, **more):
+        return policy.choose_by_makespan(
+            np.asarray(keys), 528, max_programs=max_programs, **base, **more
+        )
+
+    assert choose([32768] * 4).num_splits == 16  # 64 programs per copy
+    assert choose([32768] * 4, max_programs=40).num_splits <= 10
+    assert choose([32768] * 4, max_programs=3).num_splits == 1  # fewer than the entries
+    # a ragged batch's fixed ranges count the ranges that hold keys
+    ragged = [65536] + [1024] * 30
+    free = choose(ragged, key_ranges=True, listed=True)
+    assert free.fixed_ranges
+    programs = sum(-(-k // free.keys_per_split) for k in ragged)
+    capped = choose(ragged, max_programs=programs - 1, key_ranges=True, listed=True)
+    if capped.fixed_ranges:
+        assert sum(-(-k // capped.keys_per_split) for k in ragged) < programs
+    else:
+        assert capped.num_splits * len(ragged) < programs
+
+
 def test_makespan_rule_fills_one_wave_and_counts_split_slots():
     policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
     base = dict(granule=64, overhead_keys=64, copies=8)

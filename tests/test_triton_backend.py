@@ -192,7 +192,36 @@ def test_fixed_key_range_splits_match_reference(scenario, split_grid):
         assert attention.kwargs["RangeStarts"].tolist()[-1] == items
     else:
         assert attention.grid[2] == plan.num_splits
+        # a (requests, splits) grid where every request's queries fit one block
+        by_request = max(scenario.query_lens) <= plan.block_q and plan.split
+        assert attention.kwargs["BLOCK_PER_REQUEST"] == by_request
+        if by_request:
+            assert attention.grid[0] == len(scenario.seq_lens)
     _check(scenario, split_grid=split_grid)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_decode_grid_has_one_program_per_request(splits):
+    """Split decode steps launch one program per (request, KV head, split): none
+    searches for its request, none is empty; unsplit ones and prefill steps keep the
+    query-block grid."""
+    decode = Scenario("decodes", **DECODE)
+    problem = build_problem(decode, DEVICE)
+    backend = pagedkv.get_backend("triton", num_splits=splits)
+    metadata = backend.make_builder(problem.spec, DEVICE).build(problem.common)
+    attention = metadata.parts[0].attention
+    assert (metadata.plan.num_splits > 1) == (splits > 1)
+    assert attention.kwargs["BLOCK_PER_REQUEST"] == (splits > 1)
+    assert not attention.kwargs["RANGE_LIST"]
+    if splits > 1:
+        assert attention.grid == (4, decode.num_kv_heads, metadata.plan.num_splits)
+    else:
+        assert attention.grid[0] > 4  # the query blocks' upper bound
+    _check(decode, num_splits=splits)
+    prefill = decode.replace(name="prefills", query_lens=(37, 3, 90, 64))
+    problem = build_problem(prefill, DEVICE)
+    metadata = backend.make_builder(problem.spec, DEVICE).build(problem.common)
+    assert not metadata.parts[0].attention.kwargs["BLOCK_PER_REQUEST"]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bfloat16 needs a GPU (Triton's interpreter gets it wrong)")
@@ -484,6 +513,45 @@ def test_reserved_builds_keep_one_plan_and_their_buffers():
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
 
 
+def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
+    """A decode reservation's list of work items holds at most GRAPH_ITEM_WAVES waves of
+    split programs (each item not used is a program that starts and exits): with a cap
+    below every split of every request, the grid is the cap, each step's split choice
+    keeps within it, and the steps still attend as eager ones do."""
+    from pagedkv.backends.triton import configs
+
+    monkeypatch.setattr(configs, "GRAPH_ITEM_WAVES", 1)
+    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=320, max_query_len=1)
+    builder, eager_builder, impl, cache = _reserved(bounds, 400)
+    builder.num_sms = 8  # a small GPU: one wave of split programs is 16 items
+    gen = torch.Generator().manual_seed(1)
+    grids, totals = set(), []
+    # uncapped, the first step takes 8 even splits of each request (64 items)
+    for seq_lens in ([5020, 4000, 3000, 2000, 1000, 600, 300, 100], [2500]):
+        blocks, first = [], 0
+        for n in seq_lens:  # pages may repeat across requests (the cache has 400)
+            blocks.append([1 + (first + j) % 399 for j in range(-(-n // 16))])
+            first += len(blocks[-1])
+        common = CommonAttentionMetadata.from_requests(
+            seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
+        )
+        md = builder.build(common)
+        attention = md.parts[0].attention
+        layer = LayerShape.of(impl.spec)
+        cap = configs.graph_items(layer, md.plan, 8, builder.num_sms)
+        assert cap < 8 * md.plan.num_splits  # the cap binds
+        grids.add(attention.grid)
+        assert attention.grid == (cap, 2, 1)
+        totals.append(attention.kwargs["RangeStarts"].tolist()[-1])
+        assert totals[-1] <= cap
+        n = common.num_tokens
+        q = torch.randn(8, 4, 32, generator=gen).half().to(DEVICE)
+        out = impl.forward(q, None, None, cache, md)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
+    assert len(grids) == 1 and totals[0] > 8, totals  # the first step still splits
+
+
 def test_reserved_decode_steps_choose_their_own_splits():
     """A decode reservation keeps one grid and one set of buffers, the most splits any
     step within the bounds may take, and each step's own split count is written where
@@ -515,8 +583,9 @@ def test_reserved_decode_steps_choose_their_own_splits():
         assert (tiles, keys) == ((0, 0) if not choice.fixed_ranges else
                                  (keys // plan.tile.tile_n, choice.keys_per_split))  # fmt: skip
         ranged.append(choice.fixed_ranges)
-        # the grid lists every split of every request of the bounds; this step's work
-        # items (its ranges that hold keys, or all its splits) come first
+        # the grid lists every split of every request of the bounds (fewer than
+        # GRAPH_ITEM_WAVES waves here); this step's work items (its ranges that hold
+        # keys, or all its splits) come first
         attention = md.parts[0].attention
         assert attention.kwargs["RANGE_LIST"] and attention.grid == (8 * plan.num_splits, 2, 1)
         per_request = [-(-n // keys) if choice.fixed_ranges else splits for n in seq_lens]

@@ -261,6 +261,13 @@ def test_every_launched_variant_compiles_for_sm90():
     # and both grids: (query blocks, splits) and a list of work items
     listed = {launch.kwargs["RANGE_LIST"] for launch in launches if "RANGE_LIST" in launch.kwargs}
     assert listed == {False, True}, listed
+    # and a (requests, splits) grid beside the (query blocks, splits) one
+    by_request = {
+        launch.kwargs["BLOCK_PER_REQUEST"]
+        for launch in launches
+        if "BLOCK_PER_REQUEST" in launch.kwargs and not launch.kwargs["RANGE_LIST"]
+    }
+    assert by_request == {False, True}, by_request
     # register spills (known when ptxas ran, i.e. not served from Triton's cache)
     spilled = [str(r) for r in results if r.spill_bytes]
     assert not spilled, "register spills:\n" + "\n".join(spilled)

@@ -26,7 +26,10 @@ of work items instead of (query blocks) x (splits), each request's splits that h
 keys one after another (``RangeStarts``, from the builder). A ragged batch cut into
 fixed key ranges then launches no empty program: with a (blocks, splits) grid most of
 its programs would find their range past their request's keys and exit, each holding
-an SM's slot for a few dependent loads.
+an SM's slot for a few dependent loads. ``BLOCK_PER_REQUEST`` (the same steps, split in
+even shares or not at all): the grid's first axis is the requests, so no program
+searches for its request (``find_sequence``: a chain of dependent loads before the
+first key) and none is empty.
 """
 
 from __future__ import annotations
@@ -230,6 +233,7 @@ def unified_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr,
     TRIM_SPLITS: tl.constexpr,  # fixed key ranges; empty ones neither run nor write
     RANGE_LIST: tl.constexpr,  # one program per (request, split) that has keys
+    BLOCK_PER_REQUEST: tl.constexpr,  # every request's queries fit one block: program i is request i
     LAUNCH_DEPENDENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -247,6 +251,11 @@ def unified_attention_kernel(
             return  # past this step's items (a CUDA-graph grid covers the bounds')
         seq = find_owner(RangeStarts, item, num_seqs)
         split = item - tl.load(RangeStarts + seq)
+    elif BLOCK_PER_REQUEST:
+        # (decode steps) no search of the request and no empty program: a search costs a
+        # chain of dependent loads before the first key, in every program
+        seq = tl.program_id(0)
+        split = tl.program_id(2)
     else:
         # the last query blocks see the most keys: launch them first, so the final wave
         # of a causal prefill is made of short programs
@@ -267,14 +276,15 @@ def unified_attention_kernel(
         num_splits = tl.num_programs(2)  # (a static range list holds fixed ranges only)
         partial_first = 0
 
-    if not RANGE_LIST:
-        seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
+    if not RANGE_LIST:  # noqa: SIM102 (constexpr tests, one at a time)
+        if not BLOCK_PER_REQUEST:
+            seq = find_sequence(QueryStartLoc, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
-    if RANGE_LIST:  # noqa: SIM108 (q_block_global exists only without RANGE_LIST)
-        q_block = 0
-    else:
-        q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    q_block = 0  # (q_block_global exists only with neither of the two)
+    if not RANGE_LIST:  # noqa: SIM102
+        if not BLOCK_PER_REQUEST:
+            q_block = q_block_global - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(SeqLens + seq)

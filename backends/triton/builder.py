@@ -30,6 +30,8 @@ from pagedkv.backends.triton.configs import (
     TileConfig,
     TilePlan,
     check_forced_splits,
+    graph_items,
+    one_block_per_request,
     plan_step,
     plan_tiles,
     range_list_choice,
@@ -219,14 +221,19 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             stat_max = self.scratch("partial_max", shape, torch.float32)
             stat_sum = self.scratch("partial_sum", shape, torch.float32)
         partials = (acc, stat_max, stat_sum)
-        chosen, num_splits = None, unused
+        chosen, num_splits, max_items = None, unused, None
         if parts[0].plan.dynamic_splits:
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
             # written where the captured kernels read them: the count, and the tiles and
-            # keys of a fixed range (0: even shares)
+            # keys of a fixed range (0: even shares); listed, within the captured grid
+            if self.listing:
+                max_items = graph_items(
+                    layer, parts[0].plan, common.num_reqs, self.num_sms, self.fits
+                )
             chosen = step_splits(
-                layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing
-            )
+                layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing,
+                max_items,
+            )  # fmt: skip
             num_splits = self._write_step_splits(chosen, parts[0].plan)
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
@@ -239,7 +246,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             range_list = None
             if listed is not None:
                 items = work_items(requests.part(part.first, part.end), chosen or listed)
-                range_list = self._range_list(f"range_starts_{part.first}", items, part.plan)
+                range_list = self._range_list(
+                    f"range_starts_{part.first}", items, part.plan, max_items
+                )
             launches.append(
                 self._part_launches(
                     part_views(
@@ -250,6 +259,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     num_splits,
                     None if tile is not None else self._gluon_part(common, step, part, whole),
                     range_list=range_list,
+                    by_request=one_block_per_request(planned, part.plan.block_q),
                 )
             )
         return TritonMetadata(common, layer, tuple(launches), chosen)
@@ -288,7 +298,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         run = step.part(*decode_run)
         unused = self._unused
         partials, num_splits, chosen = (unused, unused, unused), unused, None
+        max_items = max_reqs
         if decode_plan.split:
+            if self.listing:
+                max_items = graph_items(layer, decode_plan, max_reqs, num_sms, fit)
             # the decodes' partials from row 0: NumSplits[3] holds their first token
             shape = (decode_tokens, self.spec.num_heads, decode_plan.num_splits)
             partials = (
@@ -297,7 +310,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 self.scratch("partial_sum", shape, torch.float32),
             )
             chosen = (
-                step_splits(layer, run, decode_plan, num_sms, fit, self.listing)
+                step_splits(layer, run, decode_plan, num_sms, fit, self.listing, max_items)
                 if run.max_query_len > 0
                 else SplitChoice(1, decode_plan.tile.tile_n)
             )
@@ -313,7 +326,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 items[: len(run.query_lens)] = work_items(run, chosen)
             else:
                 items[: len(run.query_lens)] = run.query_lens > 0
-            range_list = self._range_list("decodes_range_starts", items, decode_plan)
+            range_list = self._range_list("decodes_range_starts", items, decode_plan, max_items)
         gluon = None
         if self.gluon_problem is None and (
             gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None
@@ -328,6 +341,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 None,
                 role="decodes",
                 range_list=range_list,
+                by_request=True,
             ),
             self._part_launches(
                 longer.views(longer_plan.block_q),
@@ -340,16 +354,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
         return TritonMetadata(common, layer, launches, chosen)
 
-    def _range_list(self, name: str, items: np.ndarray, plan: TilePlan) -> tuple[torch.Tensor, int]:
+    def _range_list(
+        self, name: str, items: np.ndarray, plan: TilePlan, max_items: int | None
+    ) -> tuple[torch.Tensor, int]:
         """A range-list launch's ``RangeStarts`` (each request's first work item, then
         the total) on the device, and its grid's items: the step's own, or under a
-        CUDA-graph reservation the most its plan allows (every split of every request)."""
+        CUDA-graph reservation the most any step's plan takes: ``max_items`` (the step
+        splits chose within it: ``graph_items``), else every split of every request."""
         starts = np.zeros(len(items) + 1, np.int32)
         np.cumsum(items, out=starts[1:])
         buffer = self.scratch(name, starts.shape, torch.int32)
         buffer.copy_(torch.from_numpy(starts), non_blocking=True)
         if self.graph_bounds is not None:
-            return buffer, len(items) * plan.num_splits
+            grid_items = len(items) * plan.num_splits if max_items is None else max_items
+            assert starts[-1] <= grid_items, (starts[-1], grid_items)
+            return buffer, grid_items
         return buffer, max(1, int(starts[-1]))
 
     def _write_step_splits(
@@ -399,10 +418,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         gluon: GluonPrefillStep | None,
         role: str | None = None,
         range_list: tuple[torch.Tensor, int] | None = None,
+        by_request: bool = False,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (``views``)
         and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
-        work items of a range-list launch (``_range_list``)."""
+        work items of a range-list launch (``_range_list``); ``by_request``: every
+        request's queries fit one query block (a split launch, unlisted, then takes one
+        program per request)."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -412,8 +434,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if not plan.split:
             acc = stat_max = stat_sum = unused
         t = plan.tile
+        # split launches only: an unsplit decode variant without the search compiles
+        # (sm_90, Triton 3.6) to a register target of 96-128 with a 4-byte spill, which
+        # the tile rule then rejects (benchmarks of the split ones: docs/triton.md)
+        by_request = by_request and range_list is None and plan.split
         if range_list is None:
-            grid, range_starts = (query_blocks, s.num_kv_heads, plan.num_splits), unused
+            blocks = num_reqs if by_request else query_blocks
+            grid, range_starts = (blocks, s.num_kv_heads, plan.num_splits), unused
         else:
             range_starts, items = range_list
             grid = (items, s.num_kv_heads, 1)
@@ -450,6 +477,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 DYNAMIC_SPLITS=plan.dynamic_splits,
                 TRIM_SPLITS=plan.trim_splits,
                 RANGE_LIST=range_list is not None,
+                BLOCK_PER_REQUEST=by_request,
                 LAUNCH_DEPENDENTS=self.programmatic and plan.split,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,

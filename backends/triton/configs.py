@@ -109,6 +109,14 @@ LONG_QUERY_SPLIT_BYTES = 64 << 20
 # The batch-invariant mode's split: a fixed key range per split, whatever the batch and
 # the GPU (as many programs per request as the default gives one long request).
 BATCH_INVARIANT_KEYS_PER_SPLIT = 512
+# A CUDA-graph plan's list of work items holds at most this many waves of the split
+# launch's programs (or one item per request of the bounds): every step's split choice
+# stays within it. The grid is fixed at capture, so each item a step does not use is a
+# program that starts, finds nothing and exits, holding an SM slot; sized for every split
+# of every request, a ragged batch's graph launched up to 8x the programs it ran
+# (H200: 0.5-1.8% of the graph time on six rows). At 8 waves the cap changed one
+# choice (ragged-decode-128 takes 8.1 waves at 2 programs per SM: +0.6%), hence 16
+GRAPH_ITEM_WAVES = 16
 
 
 @dataclass(frozen=True)
@@ -637,14 +645,26 @@ def step_splits(
     num_sms: int,
     fit: FitSource | None = None,
     listing: bool = True,
+    max_items: int | None = None,
 ) -> SplitChoice:
     """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
     rule over the step's own requests (even shares or fixed key ranges), with the
-    plan's tile, at most the plan's width."""
+    plan's tile, at most the plan's width and, listed, ``max_items`` work items (the
+    captured grid's, ``graph_items``)."""
     return makespan_splits(
         layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit,
-        key_ranges=True, listing=listing,
+        key_ranges=True, listing=listing, max_items=max_items,
     )  # fmt: skip
+
+
+def graph_items(
+    layer: LayerShape, plan: TilePlan, max_reqs: int, num_sms: int, fit: FitSource | None = None
+) -> int:
+    """Work items of a CUDA-graph plan's listed launch over at most ``max_reqs``
+    requests: every split of every request, at most ``GRAPH_ITEM_WAVES`` waves of split
+    programs (each item is one program per KV head), at least one item per request."""
+    waves = GRAPH_ITEM_WAVES * slots_per_sm(layer, plan.tile, True, fit) * num_sms
+    return min(max_reqs * plan.num_splits, max(max_reqs, cdiv(waves, layer.num_kv_heads)))
 
 
 def one_block_per_request(step: StepShape, block_q: int) -> bool:
@@ -712,6 +732,7 @@ def makespan_splits(
     fit: FitSource | None = None,
     key_ranges: bool = False,
     listing: bool = True,
+    max_items: int | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -722,7 +743,8 @@ def makespan_splits(
     of every sequence (the toolkit rule's ``key_ranges``), which balances a ragged batch
     (not with a sliding window: a range is absolute, the grid would have to cover the
     keys before the window). ``listing``: a step of one query block per request then
-    launches only the ranges that hold keys (``range_list_choice``)."""
+    launches only the ranges that hold keys (``range_list_choice``), at most
+    ``max_items`` of them (a CUDA-graph grid's)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits
@@ -748,6 +770,7 @@ def makespan_splits(
         key_ranges=key_ranges and layer.window is None,
         # fixed key ranges launched as a list of the ranges that hold keys
         listed=listing and one_block_per_request(step, block_q),
+        max_programs=max_items,
     )
 
 

@@ -117,6 +117,7 @@ class SplitPolicy:
         split_slots: int | None = None,
         key_ranges: bool = False,
         listed: bool = False,
+        max_programs: int | None = None,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -149,14 +150,23 @@ class SplitPolicy:
         holds keys. Ranges are powers of two times ``granule``, of at least
         ``min_keys_per_split`` keys, at most ``max_splits`` per sequence; the best of
         them is taken (``SplitChoice.fixed_ranges``) when its estimate beats even
-        shares' by more than ``MAKESPAN_TIE``."""
+        shares' by more than ``MAKESPAN_TIE``.
+
+        ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
+        CUDA-graph grid sized once for every step; choices past it are not taken (one
+        program per entry always fits)."""
         keys = np.asarray(keys, dtype=np.float64)
         limit = min(max_splits or self.max_splits, self.max_splits)
+        even_limit = limit  # even shares split every entry alike
+        if max_programs is not None:
+            even_limit = max(1, min(limit, max_programs // max(1, len(keys))))
         split_slots = split_slots or slots
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
-        even, even_time = self._even_shares(keys, slots, split_slots, limit, *costs)
+        even, even_time = self._even_shares(keys, slots, split_slots, even_limit, *costs)
         if key_ranges and limit > 1:
-            ranged, ranged_time = self._key_ranges(keys, split_slots, limit, *costs, listed)
+            ranged, ranged_time = self._key_ranges(
+                keys, split_slots, limit, *costs, listed, max_programs
+            )
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
         return even
@@ -202,9 +212,11 @@ class SplitPolicy:
         merge_keys_per_split: float,
         copies: int,
         listed: bool,
+        max_programs: int | None = None,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
-        and its estimated time (in keys); an infinite time when none applies."""
+        and its estimated time (in keys); an infinite time when none applies (or none
+        launches within ``max_programs`` programs per copy)."""
         steps = np.ceil(keys / granule)  # [P]
         most = float(steps.max(initial=0.0))
         least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
@@ -230,6 +242,8 @@ class SplitPolicy:
             np.full(len(ranges), max(1, slots)),
         )  # fmt: skip
         estimate += splits * merge_keys_per_split
+        if max_programs is not None:  # the grid's programs, per copy
+            estimate[programs / copies > max_programs] = np.inf
         pick = int(np.argmin(estimate))
         return (
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
