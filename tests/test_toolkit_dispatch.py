@@ -220,3 +220,21 @@ def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
         out_params = [i for i, n in enumerate(params.names) if n == "Out"]
         expected = tuple(out.data_ptr() if i in out_params else v for i, v in enumerate(expected))
         assert ran == expected, kernel
+
+
+def test_a_call_entry_is_the_specialization_and_the_launch_value(monkeypatch):
+    """The per-call fast path (a tensor's address read once, an int's key looked up)
+    gives what ``specialization`` and ``launch_value`` give, for every kind of value,
+    and its cache of ints stays bounded."""
+    base = torch.empty(64, dtype=torch.float16)
+    values = [
+        base, base[1:], torch.empty(3, dtype=torch.int32),
+        1, 16, 17, 0, -5, 2**31, 2**31 - 1, 2**63, True, False, 2.5, None,
+    ]  # fmt: skip
+    for value in values:
+        for _ in range(2):  # the first call fills the cache of ints, the second reads it
+            assert dispatch.call_entry(value) == (specialization(value), launch_value(value))
+    monkeypatch.setattr(dispatch, "_INT_SPECS_MAX", 4)
+    for n in range(40):
+        assert dispatch.call_entry(n)[0] == specialization(n)
+    assert len(dispatch._INT_SPECS) <= 4

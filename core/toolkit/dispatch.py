@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +63,30 @@ def specialization(value: Any) -> Any:
     return _OPAQUE
 
 
+# ints' specialisations, by value: a call's ints are its tensors' strides, the same few
+# from one forward to the next (bounded: cleared when full)
+_INT_SPECS: dict[int, tuple] = {}
+_INT_SPECS_MAX = 4096
+
+
+def call_entry(value: Any) -> tuple[Any, Any]:
+    """(``specialization(value)``, ``launch_value(value)``) in one step: what a launch
+    needs of each per-call argument (a tensor's address is read once, an int's key is
+    looked up)."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        address = value.data_ptr()
+        return (value.dtype, address % 16 == 0), address
+    if kind is int:
+        spec = _INT_SPECS.get(value)
+        if spec is None:
+            if len(_INT_SPECS) >= _INT_SPECS_MAX:
+                _INT_SPECS.clear()
+            spec = _INT_SPECS[value] = specialization(value)
+        return spec, value
+    return specialization(value), launch_value(value)
+
+
 def _is_tensor_descriptor(value: Any) -> bool:
     """A host-side TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor`` or
     Gluon's): a tensor ``base`` with ``block_shape``, ``shape`` and ``strides``."""
@@ -84,6 +108,16 @@ class _Params:
     index: dict[str, int]
     constexprs: frozenset[str]
     defaults: tuple[Any, ...]  # every parameter's default (None where it has none)
+    # a call's argument names -> their parameter indices (``positions``)
+    _positions: dict[tuple[str, ...], tuple[int, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def positions(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        found = self._positions.get(names)
+        if found is None:
+            found = self._positions[names] = tuple(self.index[n] for n in names)
+        return found
 
 
 _PARAMS: dict[int, tuple[Any, _Params | None]] = {}
@@ -181,21 +215,20 @@ def launch(
     if layout is None:  # not a compiled kernel, or a shared value that cannot be keyed
         return _dispatch(kernel, grid, shared, call, stream)
     prefix, template, params = layout
-    call_spec = [specialization(value) for value in call.values()]
     names = tuple(call)
-    key = (prefix, names, *call_spec)
+    specs, values = zip(*map(call_entry, call.values())) if names else ((), ())
+    key = (prefix, names, specs)
     compiled = _VARIANTS.get(key)
     if compiled is None:
-        if _OPAQUE in call_spec or any(n in params.constexprs for n in names):
+        if any(s is _OPAQUE for s in specs) or any(n in params.constexprs for n in names):
             return _dispatch(kernel, grid, shared, call, stream)
         found = _dispatch(kernel, grid, shared, call, stream)
         if all(hasattr(found, a) for a in ("run", "function", "packed_metadata")):
             _VARIANTS[key] = found
         return found
     args = template.copy()
-    index = params.index
-    for name, value in call.items():
-        args[index[name]] = launch_value(value)
+    for i, value in zip(params.positions(names), values):
+        args[i] = value
     _launch_compiled(
         compiled, grid, args, current_stream() if stream is None else stream.cuda_stream
     )
