@@ -26,10 +26,10 @@ of work items instead of (query blocks) x (splits), each request's splits that h
 keys one after another (``RangeStarts``, from the builder). A ragged batch cut into
 fixed key ranges then launches no empty program: with a (blocks, splits) grid most of
 its programs would find their range past their request's keys and exit, each holding
-an SM's slot for a few dependent loads. ``BLOCK_PER_REQUEST`` (the same steps, split in
-even shares or not at all): the grid's first axis is the requests, so no program
-searches for its request (``find_sequence``: a chain of dependent loads before the
-first key) and none is empty.
+an SM's slot for a few dependent loads. ``BLOCK_PER_REQUEST`` (the same steps' split
+launches in even shares, unlisted): the grid's first axis is the requests, so no
+program searches for its request (``find_sequence``: a chain of dependent loads before
+the first key) and none is empty.
 """
 
 from __future__ import annotations
