@@ -610,6 +610,25 @@ def test_reserved_decode_steps_choose_their_own_splits():
     assert "keys of at most" in md.describe()
 
 
+def test_reserved_mixed_steps_cap_only_a_list_of_work_items():
+    """The cap of a captured list of work items (``graph_items``) binds a listed launch
+    only: under ``split_grid=blocks`` a mixed reservation's decodes split as the listed
+    ones do (a lone long decode: the plan's most)."""
+    bounds = GraphBounds(
+        max_num_reqs=4, max_num_tokens=40, max_blocks_per_req=320, max_query_len=32
+    )
+    seq_lens = [5000, 40]
+    blocks = [[1 + j % 399 for j in range(-(-n // 16))] for n in seq_lens]
+    common = CommonAttentionMetadata.from_requests(seq_lens, [1, 32], blocks, 16, DEVICE)
+    chosen = {}
+    for split_grid in ("auto", "blocks"):
+        builder, *_ = _reserved(bounds, 400, split_grid=split_grid)
+        md = builder.build(common)
+        chosen[split_grid] = (md.step_splits, md.parts[0].plan.num_splits)
+    assert chosen["blocks"] == chosen["auto"], chosen
+    assert chosen["auto"][0] == chosen["auto"][1] > 4, chosen  # more than max_num_reqs
+
+
 def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
     """Under bounds that allow chunk-length queries a step runs as two captured launches:
     its run of decodes (with their own splits) and its run of longer requests, each

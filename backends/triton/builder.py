@@ -298,7 +298,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         run = step.part(*decode_run)
         unused = self._unused
         partials, num_splits, chosen = (unused, unused, unused), unused, None
-        max_items = max_reqs
+        max_items = None  # unsplit: one item per request; unlisted: no list to cap
         if decode_plan.split:
             if self.listing:
                 max_items = graph_items(layer, decode_plan, max_reqs, num_sms, fit)
