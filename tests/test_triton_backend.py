@@ -552,6 +552,29 @@ def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
     assert len(grids) == 1 and totals[0] > 8, totals  # the first step still splits
 
 
+def test_reserved_even_shares_find_each_items_request_by_a_division():
+    """A CUDA-graph step of even shares (each request the same number of work items,
+    the padding requests after them) tells the kernel so (``NumSplits[4]``): an item's
+    request is its index over that count, no search; both steps attend as eager ones."""
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=4, max_blocks_per_req=160, max_query_len=1)
+    builder, eager_builder, impl, cache = _reserved(bounds, 400)
+    gen = torch.Generator().manual_seed(2)
+    for num_reqs in (4, 3):  # the second step is padded with a request without queries
+        # (pages may repeat across requests: the cache has 400)
+        blocks = [[1 + (157 * i + j) % 399 for j in range(157)] for i in range(num_reqs)]
+        common = CommonAttentionMetadata.from_requests(
+            [2500] * num_reqs, [1] * num_reqs, blocks, 16, DEVICE
+        )
+        md = builder.build(common)
+        splits, _, _, _, per_request = md.parts[0].attention.kwargs["NumSplits"].tolist()
+        assert not md.step_choice.fixed_ranges and splits > 1 and per_request == splits
+        n = common.num_tokens
+        q = torch.randn(4, 4, 32, generator=gen).half().to(DEVICE)
+        out = impl.forward(q, None, None, cache, md)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
+
+
 def test_reserved_decode_steps_choose_their_own_splits():
     """A decode reservation keeps one grid and one set of buffers, the most splits any
     step within the bounds may take, and each step's own split count is written where
@@ -576,12 +599,14 @@ def test_reserved_decode_steps_choose_their_own_splits():
         assert plan.dynamic_splits and plan.num_splits > 1
         num_splits = md.parts[0].attention.kwargs["NumSplits"]
         assert num_splits is md.parts[0].reduce.kwargs["NumSplits"]
-        splits, tiles, keys, partial_first = num_splits.tolist()
+        splits, tiles, keys, partial_first, per_request = num_splits.tolist()
         assert partial_first == 0  # a pure-decode step's partials: the step's rows
         assert splits == md.step_splits and 1 <= md.step_splits <= plan.num_splits
         choice = md.step_choice  # even shares (0) or fixed key ranges of whole tiles
         assert (tiles, keys) == ((0, 0) if not choice.fixed_ranges else
                                  (keys // plan.tile.tile_n, choice.keys_per_split))  # fmt: skip
+        # even shares: an item's request is a division (the padding requests come last)
+        assert per_request == (0 if choice.fixed_ranges else splits)
         ranged.append(choice.fixed_ranges)
         # the grid lists every split of every request of the bounds (fewer than
         # GRAPH_ITEM_WAVES waves here); this step's work items (its ranges that hold

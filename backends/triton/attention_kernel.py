@@ -193,7 +193,7 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
-    NumSplits,  # [4] int32: splits, tiles and keys per range, partials' first token (DYNAMIC_SPLITS)
+    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token, items per request or 0 (DYNAMIC_SPLITS)
     RangeStarts,  # [num_seqs + 1] int32: each request's first work item, then the total (RANGE_LIST)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
@@ -249,8 +249,17 @@ def unified_attention_kernel(
         item = tl.program_id(0)
         if item >= tl.load(RangeStarts + num_seqs):
             return  # past this step's items (a CUDA-graph grid covers the bounds')
-        seq = find_owner(RangeStarts, item, num_seqs)
-        split = item - tl.load(RangeStarts + seq)
+        # a CUDA-graph step of even shares gives every request with keys the same number
+        # of items, the requests without any after them: its owner without a search
+        per_request = 0
+        if DYNAMIC_SPLITS:
+            per_request = tl.load(NumSplits + 4)
+        if per_request > 0:
+            seq = item // per_request
+            split = item - seq * per_request
+        else:
+            seq = find_owner(RangeStarts, item, num_seqs)
+            split = item - tl.load(RangeStarts + seq)
     elif BLOCK_PER_REQUEST:
         # (decode steps) no search of the request and no empty program: a search costs a
         # chain of dependent loads before the first key, in every program

@@ -234,7 +234,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing,
                 max_items,
             )  # fmt: skip
-            num_splits = self._write_step_splits(chosen, parts[0].plan)
+            num_splits = self._write_step_splits(chosen, parts[0].plan, requests)
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
             parts = (dataclasses.replace(parts[0], first=0, end=common.num_reqs),)
@@ -315,7 +315,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 else SplitChoice(1, decode_plan.tile.tile_n)
             )
             num_splits = self._write_step_splits(
-                chosen, decode_plan, int(common.query_start_loc_cpu[decode_run[0]])
+                chosen, decode_plan, run, int(common.query_start_loc_cpu[decode_run[0]])
             )
         # the decodes' launch lists its work items (its runs' requests first, then the
         # padding ones, which have none)
@@ -372,15 +372,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return buffer, max(1, int(starts[-1]))
 
     def _write_step_splits(
-        self, chosen: SplitChoice, plan: TilePlan, partial_first: int = 0
+        self, chosen: SplitChoice, plan: TilePlan, step: StepShape, partial_first: int = 0
     ) -> torch.Tensor:
         """The device buffer the captured kernels of a dynamic-split plan read: this
-        step's split count, the tiles and keys of a fixed range (0: even shares) and the
-        token row its partials start at."""
+        step's split count, the tiles and keys of a fixed range (0: even shares), the
+        token row its partials start at, and the work items of each of ``step``'s
+        requests when a list's item can find its request by a division (even shares,
+        the requests without queries after the others), else 0 (a search)."""
         tile_n = plan.tile.tile_n
         tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
-        num_splits = self.scratch("num_splits", (4,), torch.int32)
-        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first]
+        live = step.query_lens > 0
+        per_request = 0
+        if not chosen.fixed_ranges and live[: int(live.sum())].all():
+            per_request = chosen.num_splits
+        num_splits = self.scratch("num_splits", (5,), torch.int32)
+        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request]
         num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
         return num_splits
 

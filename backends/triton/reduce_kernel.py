@@ -55,7 +55,7 @@ def reduce_splits_kernel(
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
-    NumSplits,  # [4] int32: splits, tiles and keys per range, partials' first token (DYNAMIC_SPLITS)
+    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token, ... (DYNAMIC_SPLITS)
     num_seqs,
     num_splits,
     keys_per_split,  # TRIM_SPLITS: split s holds keys [s, s + 1) * keys_per_split
