@@ -416,3 +416,31 @@ def test_makespan_rule_fills_one_wave_and_counts_split_slots():
     # a split launch that holds more programs per SM than the unsplit one
     assert splits([1024] * 256, 396) == 1
     assert splits([1024] * 256, 396, split_slots=528) == 2
+
+
+def test_key_ranges_between_powers_of_two():
+    """``range_multiples``: fixed key ranges of 1.25x, 1.5x, 1.75x a power of two of the
+    granule are compared too (whole granules, at least the policy's minimum), and win
+    where they fill the waves better; the default compares powers of two alone."""
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+    # the decodes of pagedkv bench's mixed-16d+1chunk: one 31.6k context among 1-4k ones
+    keys = np.asarray([1237, 1659, 592, 3675, 2235, 1093, 3881, 855, 31622, 3561, 2074,
+                       1949, 2302, 10561, 2099, 2760], dtype=np.float64)  # fmt: skip
+    base = dict(granule=64, overhead_keys=64, copies=8, key_ranges=True, listed=True)
+    powers = policy.choose_by_makespan(keys, 528, **base)
+    finer = policy.choose_by_makespan(keys, 528, range_multiples=(1.0, 1.25, 1.5, 1.75), **base)
+    assert powers.fixed_ranges and powers.keys_per_split == 512
+    assert finer.fixed_ranges and finer.keys_per_split == 640  # 10 granules: 1.25 x 8
+    # every candidate the rule may return: whole granules, >= the minimum, < the longest
+    for multiples in ((1.0, 1.5), (1.0, 1.25, 1.5, 1.75), (1.75,)):
+        for slots in (64, 132, 528, 2048):
+            choice = policy.choose_by_makespan(keys, slots, range_multiples=multiples, **base)
+            if choice.fixed_ranges:
+                steps = choice.keys_per_split // 64
+                assert choice.keys_per_split % 64 == 0 and choice.keys_per_split >= 512
+                assert choice.keys_per_split < keys.max()
+                assert any(steps == m * (1 << k) for m in multiples for k in range(12)), (
+                    multiples,
+                    slots,
+                    choice,
+                )

@@ -31,9 +31,11 @@ from pagedkv.backends.triton.configs import (
     StepShape,
     TileConfig,
     fits,
+    graph_items,
     plan_step,
     plan_tiles,
     slots_per_sm,
+    step_splits,
 )
 from pagedkv.backends.triton.parts import decode_and_longer_runs
 from pagedkv.conformance import Scenario, run_scenario
@@ -200,6 +202,31 @@ def test_fixed_key_range_splits_match_reference(scenario, split_grid):
     _check(scenario, split_grid=split_grid)
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_split_merge_takes_blocks_of_heads(batch_invariant):
+    """One merge program per (token, block of query heads): 6 heads of 80 (padded to
+    128) over 7 splits (padded to 8) fit 4 heads a program when all splits merge at
+    once (two blocks, the second half empty); the batch-invariant merge, split by split
+    (3 ranges of 512 keys), fits 8 (one block, 2 of its heads past the last). Sinks give
+    every head its own term."""
+    scenario = Scenario(
+        "head-blocks", seq_lens=(1100, 3, 200, 64), query_lens=(1, 1, 1, 1), num_heads=6,
+        num_kv_heads=3, head_size=80, use_sinks=True, num_padding_tokens=2,
+    )  # fmt: skip
+    options = dict(batch_invariant=True) if batch_invariant else dict(num_splits=7)
+    problem = build_problem(scenario, DEVICE)
+    metadata = (pagedkv.get_backend("triton", **options).make_builder(problem.spec, DEVICE)).build(
+        problem.common
+    )
+    reduce = metadata.parts[0].reduce
+    assert reduce.kwargs["SPLIT_PAD"] == (4 if batch_invariant else 8), metadata.describe()
+    assert reduce.kwargs["ORDERED"] == batch_invariant
+    block_h = reduce.kwargs["BLOCK_H"]
+    assert block_h == (8 if batch_invariant else 4)
+    assert reduce.grid[1] == -(-6 // block_h)
+    _check(scenario, **options)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_split_decode_grid_has_one_program_per_request(splits):
     """Split decode steps launch one program per (request, KV head, split): none
@@ -343,6 +370,23 @@ def test_the_compiled_registers_choose_the_fp8_tile():
     assert _plan(fp8, [4096] * 64, [1] * 64).tile.tile_n == 32
     # nothing compiled (fit gives None): the estimate decides
     assert _plan(fp8, [4096] * 64, [1] * 64, fit=lambda tile, split: None).tile.tile_n == 32
+
+
+def test_eager_key_ranges_may_fall_between_powers_of_two():
+    """An eager step's fixed key ranges are compared at 1.25x-1.75x powers of two of the
+    tile too (the decodes of mixed-16d+1chunk on the H200: 20 tiles of 64 keys, where
+    powers of two alone gave 8); a CUDA-graph step's stay powers of two."""
+    seq_lens = [1237, 1659, 592, 3675, 2235, 1093, 3881, 855, 31622, 3561, 2074, 1949,
+                2302, 10561, 2099, 2760]  # fmt: skip
+    fit = h200_fits("bf16")
+    plan = _plan(H200_LAYER, seq_lens, [1] * 16, fit=fit)
+    assert plan.tile.tile_n == 64 and plan.tiles_per_split == 20, plan
+    bounds = _step([32768] * 16, [1] * 16)
+    graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
+    items = graph_items(H200_LAYER, graph, 16, H200_SMS, fit)
+    step = step_splits(H200_LAYER, _step(seq_lens, [1] * 16), graph, H200_SMS, fit, True, items)
+    tiles = step.keys_per_split // 64
+    assert step.fixed_ranges and tiles & (tiles - 1) == 0, step
 
 
 def test_a_ragged_batch_splits_its_long_requests():

@@ -35,7 +35,7 @@ from pagedkv.backends.triton.configs import (
     plan_step,
     plan_tiles,
     range_list_choice,
-    reduce_warps,
+    reduce_tile,
     step_splits,
     work_items,
 )
@@ -53,7 +53,7 @@ from pagedkv.backends.triton.parts import (
 )
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
 from pagedkv.graph import GraphBounds
-from pagedkv.intmath import next_power_of_2
+from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.interpreter import interpreting
@@ -69,7 +69,7 @@ class PartLaunches:
     end: int
     plan: TilePlan  # tiles and splits
     attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
-    reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, Hq)
+    reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, head blocks)
     # the Gluon sm_90 prefill kernel's launch for this part, when it runs it (the impl
     # falls back to ``attention`` for a cache TMA cannot read)
     gluon: GluonPrefillStep | None = None
@@ -493,9 +493,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         reduce = None
         if plan.split:
             split_pad = next_power_of_2(plan.num_splits)
+            block_h, reduce_warps = reduce_tile(
+                split_pad, layer.head_pad, s.num_heads, plan.ordered_reduction
+            )
             reduce = KernelLaunch(
                 reduce_splits_kernel,
-                (num_tokens, s.num_heads),
+                (num_tokens, cdiv(s.num_heads, block_h)),
                 dict(
                     PartAcc=acc,
                     PartMax=stat_max,
@@ -505,6 +508,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     SeqLens=seq_lens,
                     NumSplits=num_splits,
                     num_seqs=num_reqs,
+                    num_heads=s.num_heads,
                     num_splits=plan.num_splits,
                     keys_per_split=plan.tiles_per_split * t.tile_n,
                     stride_pt=acc_strides[0],
@@ -515,12 +519,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     HEAD_SIZE=s.head_size,
                     HEAD_PAD=layer.head_pad,
                     SPLIT_PAD=split_pad,
+                    BLOCK_H=block_h,
                     ORDERED=plan.ordered_reduction,
                     DYNAMIC_SPLITS=plan.dynamic_splits,
                     TRIM_SPLITS=plan.trim_splits,
                     CAUSAL=s.causal,
                     WAIT_FOR_PRIMARY=self.programmatic,
-                    num_warps=reduce_warps(split_pad, layer.head_pad, plan.ordered_reduction),
+                    num_warps=reduce_warps,
                     # Triton's interpreter takes no launch_pdl
                     **({"launch_pdl": True} if self.programmatic else {}),
                 ),

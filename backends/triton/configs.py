@@ -117,6 +117,16 @@ BATCH_INVARIANT_KEYS_PER_SPLIT = 512
 # (H200: 0.5-1.8% of the graph time on six rows). At 8 waves the cap changed one
 # choice (ragged-decode-128 takes 8.1 waves at 2 programs per SM: +0.6%), hence 16
 GRAPH_ITEM_WAVES = 16
+# The fixed key ranges an eager step's rule compares: powers of two of the tile times
+# each of these, so a ragged batch's ranges can fill its waves more closely. H200, 10
+# ragged, speculative and mixed rows, eager, against powers of two alone: faster on 8
+# (1-12%: mixed 16+1 178 -> 157 us), equal on 1, slower on 1 (speculative 32x8, 1792-key
+# ranges instead of 2048: 190 -> 216 us, where the estimate had them 7% faster). A
+# CUDA-graph step keeps powers of two: under the plan's width and item cap the finer
+# ranges the rule chose were slower on 7 of 9 rows (GQA 8: 247.5 -> 268.3 us). The
+# rule's tail terms were fitted with powers of two (split_kv.RAGGED_TAIL_SHARE); refitting them
+# over finer ranges is what would let graphs take them (docs/triton.md)
+EAGER_RANGE_MULTIPLES = (1.0, 1.25, 1.5, 1.75)
 
 
 @dataclass(frozen=True)
@@ -609,6 +619,7 @@ def plan_tiles(
         choice = makespan_splits(
             layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
             key_ranges=not bounded, listing=listing,
+            range_multiples=EAGER_RANGE_MULTIPLES,  # key_ranges: eager steps only
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
@@ -733,6 +744,7 @@ def makespan_splits(
     key_ranges: bool = False,
     listing: bool = True,
     max_items: int | None = None,
+    range_multiples: tuple[float, ...] = (1.0,),
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -744,7 +756,8 @@ def makespan_splits(
     (not with a sliding window: a range is absolute, the grid would have to cover the
     keys before the window). ``listing``: a step of one query block per request then
     launches only the ranges that hold keys (``range_list_choice``), at most
-    ``max_items`` of them (a CUDA-graph grid's)."""
+    ``max_items`` of them (a CUDA-graph grid's). ``range_multiples``: the key ranges
+    compared, powers of two of the tile times each of these."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
         limit = SPLIT_POLICY.max_splits
@@ -771,6 +784,7 @@ def makespan_splits(
         # fixed key ranges launched as a list of the ranges that hold keys
         listed=listing and one_block_per_request(step, block_q),
         max_programs=max_items,
+        range_multiples=range_multiples,
     )
 
 
@@ -790,6 +804,16 @@ def _block_q(layer: LayerShape, tile: TileConfig) -> int:
     return block_q
 
 
-def reduce_warps(split_pad: int, head_pad: int, ordered: bool) -> int:
-    """Warps of the reduction: 8 when one program merges a wide [splits, D] tile at once."""
-    return 8 if not ordered and split_pad * head_pad > 8192 else 4
+# values one program of the split merge holds at once: enough loads in flight to hide
+# the latency of a merge that is a few hundred bytes per head
+REDUCE_TILE_VALUES = 4096
+
+
+def reduce_tile(split_pad: int, head_pad: int, num_heads: int, ordered: bool) -> tuple[int, int]:
+    """(query heads per program, warps) of the split merge: as many heads as fit
+    ``REDUCE_TILE_VALUES`` (all splits of a head at once, or one split at a time when
+    ``ordered``), at least one; 8 warps when one head's splits are a wider tile."""
+    width = 1 if ordered else split_pad
+    fit = max(1, REDUCE_TILE_VALUES // (width * head_pad))
+    block_h = min(1 << (fit.bit_length() - 1), next_power_of_2(num_heads))
+    return block_h, 8 if block_h * width * head_pad > 8192 else 4

@@ -1,8 +1,11 @@
 """Merge the split-KV partial results of ``unified_attention_kernel`` into the output.
 
-Grid ``(T, Hq)`` over the tokens of the launch's requests: one program per (token, query head) rescales each split's
-unnormalised accumulator by exp2(max_s - max) and divides by the merged
-denominator, to which the attention sink (if any) contributes its own term.
+Grid ``(T, cdiv(Hq, BLOCK_H))`` over the tokens of the launch's requests: one program per
+(token, ``BLOCK_H`` query heads) rescales each split's unnormalised accumulator by
+exp2(max_s - max) and divides by the merged denominator, to which the attention sink
+(if any) contributes its own term. A program takes several heads because one head's
+merge is a few hundred bytes: a program per head left the merge latency-bound (on the
+H200, 256 decodes x 32 heads x 2 splits took 11 us for 10 MB, docs/triton.md).
 Padding tokens (past query_start_loc[num_seqs]) are skipped. ``WAIT_FOR_PRIMARY``: the
 launch is a programmatic dependent of the attention kernel (sm_90+), which it may
 overlap until it needs the partials. With ``DYNAMIC_SPLITS``
@@ -57,6 +60,7 @@ def reduce_splits_kernel(
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
     NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token, ... (DYNAMIC_SPLITS)
     num_seqs,
+    num_heads,
     num_splits,
     keys_per_split,  # TRIM_SPLITS: split s holds keys [s, s + 1) * keys_per_split
     stride_ot,
@@ -69,6 +73,7 @@ def reduce_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     USE_SINKS: tl.constexpr,
     ORDERED: tl.constexpr,
     DYNAMIC_SPLITS: tl.constexpr,
@@ -78,7 +83,8 @@ def reduce_splits_kernel(
 ):
     # a launch over a part of the step: its tokens start at its first request's
     token = tl.program_id(0) + tl.load(QueryStartLoc)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
     if token >= tl.load(QueryStartLoc + num_seqs):
         return
     token = token.to(tl.int64)
@@ -102,47 +108,48 @@ def reduce_splits_kernel(
         # (what was read above was written before the attention kernel started)
         tl.extra.cuda.gdc_wait()
     dims = tl.arange(0, HEAD_PAD)
-    stat = part_row * stride_mt + head * stride_mh
-    part = PartAcc + part_row * stride_pt + head * stride_ph + dims
+    stat = part_row * stride_mt + heads * stride_mh  # [BLOCK_H]
+    part = PartAcc + part_row * stride_pt + heads[:, None] * stride_ph + dims[None, :]
 
     if ORDERED:
         # the maximum is exact in any order; the sums go split by split
-        m_max = tl.load(PartMax + stat)
+        m_max = tl.load(PartMax + stat, mask=head_ok, other=float("-inf"))
         for s in range(1, num_splits):
-            m_max = tl.maximum(m_max, tl.load(PartMax + stat + s))
+            m_max = tl.maximum(m_max, tl.load(PartMax + stat + s, mask=head_ok, other=0.0))
     else:
         splits = tl.arange(0, SPLIT_PAD)
-        split_ok = splits < num_splits
-        m = tl.load(PartMax + stat + splits, mask=split_ok, other=float("-inf"))
-        m_max = tl.max(m, 0)
+        stat_ok = head_ok[:, None] & (splits[None, :] < num_splits)  # [BLOCK_H, SPLIT_PAD]
+        m = tl.load(PartMax + stat[:, None] + splits[None, :], mask=stat_ok, other=float("-inf"))
+        m_max = tl.max(m, 1)
     if USE_SINKS:
-        sink = tl.load(Sinks + head) * _LOG2E
+        sink = tl.load(Sinks + heads, mask=head_ok, other=float("-inf")) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
 
     if ORDERED:
-        total = tl.zeros([1], dtype=tl.float32)
-        acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
         for s in range(0, num_splits):
-            weight = tl.exp2(tl.load(PartMax + stat + s) - m_use)
-            total += weight * tl.load(PartSum + stat + s)
-            acc += weight * tl.load(part + s * stride_ps)
-        total = tl.sum(total, 0)
+            weight = tl.exp2(tl.load(PartMax + stat + s, mask=head_ok, other=0.0) - m_use)
+            total += weight * tl.load(PartSum + stat + s, mask=head_ok, other=0.0)
+            acc += weight[:, None] * tl.load(part + s * stride_ps, mask=head_ok[:, None], other=0.0)
     else:
-        weight = tl.exp2(m - m_use)
-        denom = tl.load(PartSum + stat + splits, mask=split_ok, other=0.0)
-        total = tl.sum(weight * denom, 0)
+        weight = tl.exp2(m - m_use[:, None])  # [BLOCK_H, SPLIT_PAD]
+        denom = tl.load(PartSum + stat[:, None] + splits[None, :], mask=stat_ok, other=0.0)
+        total = tl.sum(weight * denom, 1)
         acc = tl.load(
-            part[None, :] + splits[:, None] * stride_ps, mask=split_ok[:, None], other=0.0
-        )
-        acc = tl.sum(acc * weight[:, None], 0)
+            part[:, None, :] + splits[None, :, None] * stride_ps,
+            mask=stat_ok[:, :, None],
+            other=0.0,
+        )  # [BLOCK_H, SPLIT_PAD, HEAD_PAD]
+        acc = tl.sum(acc * weight[:, :, None], 1)
     if USE_SINKS:
         total += tl.exp2(sink - m_use)
-    out = acc / tl.where(total == 0.0, 1.0, total)
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(
-        Out + token * stride_ot + head * stride_oh + dims,
+        Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(Out.dtype.element_ty),
-        mask=dims < HEAD_SIZE,
+        mask=head_ok[:, None] & (dims[None, :] < HEAD_SIZE),
     )
 
 

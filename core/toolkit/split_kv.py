@@ -118,6 +118,7 @@ class SplitPolicy:
         key_ranges: bool = False,
         listed: bool = False,
         max_programs: int | None = None,
+        range_multiples: tuple[float, ...] = (1.0,),
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -147,10 +148,11 @@ class SplitPolicy:
         few; the grid's split axis is the longest sequence's count, and the other
         sequences' programs past their keys exit at once (each still costs
         ``overhead_keys``), unless the launch is ``listed``: one program per range that
-        holds keys. Ranges are powers of two times ``granule``, of at least
-        ``min_keys_per_split`` keys, at most ``max_splits`` per sequence; the best of
-        them is taken (``SplitChoice.fixed_ranges``) when its estimate beats even
-        shares' by more than ``MAKESPAN_TIE``.
+        holds keys. Ranges are powers of two times ``granule`` times each of
+        ``range_multiples`` (whole steps), of at least ``min_keys_per_split`` keys, at
+        most ``max_splits`` per sequence; the best of them is taken
+        (``SplitChoice.fixed_ranges``) when its estimate beats even shares' by more than
+        ``MAKESPAN_TIE``.
 
         ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
         CUDA-graph grid sized once for every step; choices past it are not taken (one
@@ -165,7 +167,7 @@ class SplitPolicy:
         even, even_time = self._even_shares(keys, slots, split_slots, even_limit, *costs)
         if key_ranges and limit > 1:
             ranged, ranged_time = self._key_ranges(
-                keys, split_slots, limit, *costs, listed, max_programs
+                keys, split_slots, limit, *costs, listed, max_programs, range_multiples
             )
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
@@ -213,6 +215,7 @@ class SplitPolicy:
         copies: int,
         listed: bool,
         max_programs: int | None = None,
+        range_multiples: tuple[float, ...] = (1.0,),
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
         and its estimated time (in keys); an infinite time when none applies (or none
@@ -220,12 +223,14 @@ class SplitPolicy:
         steps = np.ceil(keys / granule)  # [P]
         most = float(steps.max(initial=0.0))
         least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
-        ranges = []  # inner steps per split
-        r = 1 << max(0, (least - 1).bit_length())
+        candidates: set[int] = set()  # inner steps per split
+        r = 1 << max(0, least.bit_length() - 1)  # the power of two at or below least
         # like even shares: no split unless the longest sequence holds two minimal ones
         while r < most and most * granule >= 2 * self.min_keys_per_split:
-            ranges.append(r)
+            steps_each = (r * m for m in range_multiples)
+            candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
             r *= 2
+        ranges = sorted(candidates)
         if not ranges:
             return SplitChoice(1, int(most * granule)), float("inf")
         per_range = np.array(ranges, dtype=np.float64)[:, None]  # [R, 1]
