@@ -5,13 +5,16 @@
     python benchmarks/triton_sweep.py --num-heads 64 --head-size 256 --block-size 32
     python benchmarks/triton_sweep.py --plan-overhead      # host time per forward (CPU too)
     python benchmarks/triton_sweep.py --quick --all-splits --workloads decode-4x32k,ragged-decode-128
+    python benchmarks/triton_sweep.py --key-ranges --workloads 'ragged-decode-128,gqa8-ragged-decode'
 
 For each workload it times the unified kernel (and the reduction, when split)
 through the backend's own builder and impl, overriding the tiles and the split
 count: first every candidate tile (the rule's rows and their neighbours) at the
 split count the rule chooses, then every split count with the best tile. All
 variants are compiled up front in parallel processes (into Triton's on-disk cache),
-so the timing loop only loads them (``--all-splits``: every tile at every split count).
+so the timing loop only loads them (``--all-splits``: every tile at every split count;
+``--key-ranges``: the rule's tile at fixed key ranges of 1, 1.25, 1.5 and 1.75 times each
+power of two of its key step, the data to fit the makespan rule's ranges to).
 Each trial also records the compiled attention kernel's registers (ptxas) and the
 programs an SM holds of it, which the rule's register estimate stands for. Prints one
 table per workload (best first), how
@@ -41,6 +44,7 @@ import pagedkv
 import torch
 from pagedkv.backends.triton.configs import (
     BLOCK_M_CHOICES,
+    SPLIT_POLICY,
     TILE_N_CHOICES,
     LayerShape,
     StepShape,
@@ -52,6 +56,7 @@ from pagedkv.bench.problem import build_problem as build_bench_problem
 from pagedkv.bench.problem import fill_cache
 from pagedkv.bench.timing import copy_bandwidth, time_us
 from pagedkv.bench.workloads import DTYPES, MATRICES
+from pagedkv.intmath import cdiv
 from pagedkv.toolkit.launch import kernel_fit
 
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -66,6 +71,7 @@ class Trial:
     pct_copy: float | None = None
     tflops: float | None = None
     chosen: bool = False  # what the rule picks
+    keys_per_split: int = 0  # fixed key ranges of this many keys (0: even shares)
     error: str = ""
     # the compiled attention kernel: registers per thread (ptxas) and the programs one SM
     # holds of it, by registers and shared memory (what the rule's estimate stands for)
@@ -105,17 +111,26 @@ class Bench:
         # largest part's (the other keeps its own plan in the backend)
         part = max(default.parts, key=lambda p: p.end - p.first)
         self.default = (part.plan.tile, part.plan.num_splits)
+        self.default_keys = part.plan.tiles_per_split * part.plan.tile.tile_n
         # the rule's view of the workload
         layer = LayerShape.of(spec)
         self.block_m, self.memory_bound = choose_block_m(layer, StepShape.of(problem.common))
 
-    def launches(self, tile: TileConfig, splits: int) -> list:
-        md = self.builder.build(self.problem.common, tile=tile, num_splits=splits)
+    def launches(self, tile: TileConfig, splits: int, keys: int = 0) -> list:
+        """The step's launches with ``tile`` and ``splits`` even shares, or with fixed
+        ranges of ``keys`` keys."""
+        common = self.problem.common
+        if keys:
+            md = self.builder.build(common, tile=tile, keys_per_split=keys)
+        else:
+            md = self.builder.build(common, tile=tile, num_splits=splits)
         return self.impl.plan(self.problem.query, self.cache, md, self.out)
 
-    def time(self, tile: TileConfig, splits: int) -> tuple[float, int | None, int | None]:
+    def time(
+        self, tile: TileConfig, splits: int, keys: int = 0
+    ) -> tuple[float, int | None, int | None]:
         """Microseconds, and the attention kernel's registers and programs per SM."""
-        launches = self.launches(tile, splits)
+        launches = self.launches(tile, splits, keys)
         compiled = launches[0]()  # the attention kernel (Triton returns the compiled one)
         registers, per_sm = occupancy(compiled, tile.num_warps)
 
@@ -202,29 +217,76 @@ def candidate_splits(problem: Problem) -> list[int]:
     return [n for n in SPLITS if n == 1 or max(w.seq_lens) // n >= 256]
 
 
+def candidate_key_ranges(problem: Problem, tile_n: int) -> list[int]:
+    """Fixed key ranges for ``--key-ranges``: 1, 1.25, 1.5, 1.75 times each power of two
+    of the key step, at least the rule's minimum, at most its splits of the longest
+    sequence; none for steps that are not decode-like."""
+    w = problem.workload
+    if max(w.query_lens) > SPLIT_POLICY.max_query_len:
+        return []
+    longest = max(w.seq_lens)
+    ranges = set()
+    power = tile_n
+    while power < longest:
+        for keys in (power, power * 5 // 4, power * 3 // 2, power * 7 // 4):
+            if (
+                keys % tile_n == 0
+                and SPLIT_POLICY.min_keys_per_split <= keys < longest
+                and cdiv(longest, keys) <= SPLIT_POLICY.max_splits
+            ):
+                ranges.add(keys)
+        power *= 2
+    return sorted(ranges)
+
+
+def sweep_key_ranges(bench: Bench, copy_bw: float) -> list[Trial]:
+    """The rule's tile at each of ``candidate_key_ranges``, and at the rule's even shares
+    when it chose those."""
+    problem = bench.problem
+    tile, splits = bench.default
+    longest = max(problem.workload.seq_lens)
+    trials = []
+    if bench.default_keys == 0:
+        trials.append(_trial(bench, copy_bw, tile, splits, 0, chosen=True))
+    for keys in candidate_key_ranges(problem, tile.tile_n):
+        chosen = keys == bench.default_keys
+        trials.append(_trial(bench, copy_bw, tile, cdiv(longest, keys), keys, chosen))
+    return trials
+
+
+def _trial(
+    bench: Bench, copy_bw: float, tile: TileConfig, splits: int, keys: int, chosen: bool
+) -> Trial:
+    """One timed variant: ``splits`` even shares, or fixed ranges of ``keys`` keys."""
+    problem = bench.problem
+    name = problem.workload.name
+    t = Trial(name, str(tile), splits, chosen=chosen, keys_per_split=keys)
+    try:
+        t.us, t.registers, t.programs_per_sm = bench.time(tile, splits, keys)
+        t.pct_copy = 100 * problem.io_bytes() / (t.us * 1e-6) / copy_bw
+        t.tflops = problem.flops() / (t.us * 1e-6) / 1e12
+    except Exception as exc:
+        t.error = f"{type(exc).__name__}: {str(exc)[:160]}"
+    ranges = f" ranges of {keys}" if keys else ""
+    print(
+        f"  {name} {t.tile} splits={splits}{ranges}: "
+        + (f"{t.us:.1f} us" if t.us is not None else t.error),
+        flush=True,
+    )
+    return t
+
+
 def sweep(
     bench: Bench, tiles: list[TileConfig], copy_bw: float, all_splits: bool = False
 ) -> list[Trial]:
     problem = bench.problem
-    name = problem.workload.name
     default_tile, default_splits = bench.default
-    trials = []
 
     def trial(tile: TileConfig, splits: int) -> Trial:
-        t = Trial(name, str(tile), splits, chosen=(tile, splits) == bench.default)
-        try:
-            t.us, t.registers, t.programs_per_sm = bench.time(tile, splits)
-            t.pct_copy = 100 * problem.io_bytes() / (t.us * 1e-6) / copy_bw
-            t.tflops = problem.flops() / (t.us * 1e-6) / 1e12
-        except Exception as exc:
-            t.error = f"{type(exc).__name__}: {str(exc)[:160]}"
-        print(
-            f"  {name} {t.tile} splits={splits}: "
-            + (f"{t.us:.1f} us" if t.us is not None else t.error),
-            flush=True,
-        )
-        return t
+        chosen = (tile, splits) == bench.default
+        return _trial(bench, copy_bw, tile, splits, 0, chosen)
 
+    trials = []
     if all_splits:  # every tile at every split count (data to fit the split rule to)
         for tile in tiles:
             for splits in dict.fromkeys([default_splits, *candidate_splits(problem)]):
@@ -253,16 +315,18 @@ def print_report(trials: list[Trial], benches: dict[str, Bench]) -> None:
         bound = "memory" if bench.memory_bound else "compute"
         print(f"== {name} (rule: {bench.block_m} rows, {bound}-bound)")
         print(
-            f"{'tile':<18} {'splits':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8} {'regs':>5} {'/SM':>4}"
+            f"{'tile':<18} {'splits':>6} {'keys':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8}"
+            f" {'regs':>5} {'/SM':>4}"
         )
-        for t in rows[:12]:
+        for t in rows[:16]:
+            keys = t.keys_per_split or "-"
             if t.us is None:
-                print(f"{t.tile:<18} {t.num_splits:>6} ERROR {t.error}")
+                print(f"{t.tile:<18} {t.num_splits:>6} {keys:>6} ERROR {t.error}")
                 continue
             mark = "  <- the rule's choice" if t.chosen else ""
             print(
-                f"{t.tile:<18} {t.num_splits:>6} {t.us:9.1f} {t.pct_copy:6.1f} {t.tflops:8.1f}"
-                f" {t.registers or '-':>5} {t.programs_per_sm or '-':>4}{mark}"
+                f"{t.tile:<18} {t.num_splits:>6} {keys:>6} {t.us:9.1f} {t.pct_copy:6.1f}"
+                f" {t.tflops:8.1f} {t.registers or '-':>5} {t.programs_per_sm or '-':>4}{mark}"
             )
         chosen = [t for t in rows if t.chosen and t.us]
         if chosen and rows[0].us:
@@ -321,6 +385,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="every candidate tile at every split count (default: the splits with the best tile)",
     )
+    p.add_argument(
+        "--key-ranges",
+        action="store_true",
+        help="the rule's tile at fixed key ranges of 1-1.75x each power of two (decode-like steps)",
+    )
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--json", help="write every trial here")
     p.add_argument("--plan-overhead", action="store_true", help="host time per forward only")
@@ -354,16 +423,28 @@ def main(argv: list[str] | None = None) -> None:
     jobs = []
     for n, bench in benches.items():
         default_tile, default_splits = bench.default
-        for tile in [*tiles[n], default_tile]:
-            for splits in {default_splits, *candidate_splits(bench.problem)}:
-                try:
-                    jobs += [compile_job(launch) for launch in bench.launches(tile, splits)]
-                except Exception as exc:
-                    print(f"  cannot plan {n} {tile} splits={splits}: {exc}")
+        variants = [
+            (tile, splits, 0)
+            for tile in [*tiles[n], default_tile]
+            for splits in {default_splits, *candidate_splits(bench.problem)}
+        ]
+        if args.key_ranges:  # the ranged launches' variants (trimmed, listed)
+            ranges = candidate_key_ranges(bench.problem, default_tile.tile_n)
+            variants = [(default_tile, default_splits, 0)] + [
+                (default_tile, 0, keys) for keys in ranges
+            ]
+        for tile, splits, keys in variants:
+            try:
+                jobs += [compile_job(launch) for launch in bench.launches(tile, splits, keys)]
+            except Exception as exc:
+                print(f"  cannot plan {n} {tile} splits={splits} keys={keys}: {exc}")
     precompile(jobs, args.jobs)
     trials = []
     for n, bench in benches.items():
-        trials += sweep(bench, tiles[n], copy_bw, args.all_splits)
+        if args.key_ranges:
+            trials += sweep_key_ranges(bench, copy_bw)
+        else:
+            trials += sweep(bench, tiles[n], copy_bw, args.all_splits)
     print_report(trials, benches)
     if args.json:
         with open(args.json, "w") as f:

@@ -557,6 +557,47 @@ def test_reserved_builds_keep_one_plan_and_their_buffers():
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
 
 
+def test_keys_per_split_override_runs_fixed_ranges():
+    """``build(..., keys_per_split=K)`` (tuning: benchmarks/triton_sweep.py --key-ranges)
+    splits every sequence into fixed K-key ranges, K any whole number of key tiles (here
+    3), listed and trimmed like the rule's ranges, and attends as the rule's plan does;
+    what it cannot run is refused by name."""
+    reserved, eager_builder, impl, cache = _reserved(GraphBounds(4, 4, 70), 400)
+    seq_lens, blocks = (
+        [1100, 40, 300, 7],
+        [list(range(1, 70)), [70, 71, 72], list(range(73, 92)), [92]],
+    )
+    common = CommonAttentionMetadata.from_requests(seq_lens, [1] * 4, blocks, 16, DEVICE)
+    tile_n = eager_builder.build(common).plan.tile.tile_n
+    md = eager_builder.build(common, keys_per_split=3 * tile_n)
+    plan = md.plan
+    assert plan.trim_splits and plan.tiles_per_split == 3
+    assert plan.num_splits == -(-1100 // (3 * tile_n)), md.describe()
+    attention = md.parts[0].attention
+    assert attention.kwargs["RANGE_LIST"]
+    assert attention.grid[0] == sum(-(-n // (3 * tile_n)) for n in seq_lens)
+    q = torch.randn(4, 4, 32, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    want = impl.forward(q, None, None, cache, eager_builder.build(common, num_splits=1))
+    assert torch.allclose(impl.forward(q, None, None, cache, md), want, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ConfigError, match=f"multiple of the tile's {tile_n} keys"):
+        eager_builder.build(common, keys_per_split=tile_n + 1)
+    long = 64 * tile_n + 1
+    one = CommonAttentionMetadata.from_requests(
+        [long], [1], [list(range(1, -(-long // 16) + 1))], 16, DEVICE
+    )
+    per_range = -(-long // 64)  # the fewest keys a range of 64 may hold
+    least = -(-per_range // tile_n) * tile_n
+    with pytest.raises(ConfigError, match=f"into 65 ranges; at most 64: expected at least {least}"):
+        eager_builder.build(one, keys_per_split=tile_n)
+    with pytest.raises(ConfigError, match="not with num_splits"):
+        eager_builder.build(common, keys_per_split=3 * tile_n, num_splits=2)
+    with pytest.raises(ConfigError, match="a CUDA-graph reservation"):
+        reserved.build(common, keys_per_split=3 * tile_n)
+    chunk = CommonAttentionMetadata.from_requests([40], [20], [[1, 2, 3]], 16, DEVICE)
+    with pytest.raises(ConfigError, match="decode-like steps only"):
+        eager_builder.build(chunk, keys_per_split=3 * tile_n)
+
+
 def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
     """A decode reservation's list of work items holds at most GRAPH_ITEM_WAVES waves of
     split programs (each item not used is a program that starts and exits): with a cap

@@ -18,3 +18,41 @@ def sweep():
 
 def test_occupancy_unknown_without_a_compiled_kernel(sweep):
     assert sweep["occupancy"](None, 4) == (None, None)
+
+
+def test_key_ranges_cover_the_rules_candidates(sweep):
+    """--key-ranges times 1-1.75x each power of two of the key step (what the eager
+    rule compares), within the rule's bounds; a step with chunks gets none."""
+    from types import SimpleNamespace
+
+    from pagedkv.backends.triton.configs import EAGER_RANGE_MULTIPLES, SPLIT_POLICY
+    from pagedkv.bench.workloads import MATRICES
+
+    rows = {w.name: w for w in MATRICES["standard"]}
+    ragged = SimpleNamespace(workload=rows["ragged-decode-128"])
+    keys = sweep["candidate_key_ranges"](ragged, 64)
+    longest = max(ragged.workload.seq_lens)
+    assert keys == sorted(set(keys)) and {512, 640, 768, 896, 1024, 1280} <= set(keys)
+    for k in keys:
+        assert k % 64 == 0 and SPLIT_POLICY.min_keys_per_split <= k < longest
+        assert -(-longest // k) <= SPLIT_POLICY.max_splits
+        assert any(k == 64 * m * (1 << p) for m in EAGER_RANGE_MULTIPLES for p in range(10))
+    chunked = SimpleNamespace(workload=rows["mixed-16d+1chunk"])
+    assert sweep["candidate_key_ranges"](chunked, 64) == []
+
+
+def test_a_key_range_variant_is_planned_as_fixed_ranges(sweep, monkeypatch):
+    """``Bench.launches(tile, 0, keys)`` plans the step with ranges of ``keys`` keys
+    (planned only: the CPU does not time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pagedkv.bench.workloads import Layer, Workload
+
+    layer = Layer(num_heads=4, num_kv_heads=2, head_size=32, dtype="fp16")
+    workload = Workload("tiny-ragged", "ragged-decode", (1500, 40, 700), (1, 1, 1), layer)
+    bench = sweep["Bench"](sweep["build_problem"](workload, device="cpu"))
+    tile = bench.default[0]
+    keys = 8 * tile.tile_n
+    launches = bench.launches(tile, 0, keys)
+    assert launches and all(callable(launch) for launch in launches)
+    md = bench.builder.build(bench.problem.common, tile=tile, keys_per_split=keys)
+    assert md.plan.trim_splits and md.plan.tiles_per_split == 8

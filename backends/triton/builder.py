@@ -52,6 +52,7 @@ from pagedkv.backends.triton.parts import (
     part_views,
 )
 from pagedkv.backends.triton.reduce_kernel import reduce_splits_kernel
+from pagedkv.errors import ConfigError
 from pagedkv.graph import GraphBounds
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
@@ -186,10 +187,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         *,
         tile: TileConfig | None = None,
         num_splits: int | None = None,
+        keys_per_split: int | None = None,
     ) -> TritonMetadata:
-        """This step's plan. ``tile`` / ``num_splits`` override the rule (tuning)."""
+        """This step's plan. ``tile`` / ``num_splits`` / ``keys_per_split`` (splits of
+        fixed key ranges) override the rule (tuning)."""
         forced = check_forced_splits(num_splits) or self.forced_splits
         bounds = self.graph_bounds
+        if keys_per_split and (forced or self.batch_invariant or bounds is not None):
+            raise ConfigError(
+                f"keys_per_split={keys_per_split}: an eager step's override, not with "
+                "num_splits, batch_invariant=true or a CUDA-graph reservation"
+            )
         if (
             bounds is not None
             and bounds.max_query_len > SPLIT_POLICY.max_query_len
@@ -205,6 +213,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             step,
             self.num_sms,
             forced_splits=forced,
+            forced_keys=keys_per_split or 0,
             batch_invariant=self.batch_invariant,
             tile=tile,
             bounded=bounds is not None,

@@ -533,6 +533,7 @@ def plan_step(
     num_sms: int,
     *,
     forced_splits: int = 0,
+    forced_keys: int = 0,
     batch_invariant: bool = False,
     tile: TileConfig | None = None,
     bounded: bool = False,
@@ -549,7 +550,7 @@ def plan_step(
     ranges may be launched as a list of work items (``range_list_choice``)."""
     n = len(step.query_lens)
     parts = [(0, n)]
-    if not (bounded or batch_invariant or tile is not None or forced_splits):
+    if not (bounded or batch_invariant or tile is not None or forced_splits or forced_keys):
         decode_like = step.query_lens <= SPLIT_POLICY.max_query_len
         changes = np.flatnonzero(decode_like[1:] != decode_like[:-1])
         if len(changes) == 1:
@@ -564,6 +565,7 @@ def plan_step(
                 step.part(first, end) if (first, end) != (0, n) else step,
                 num_sms,
                 forced_splits=forced_splits,
+                forced_keys=forced_keys,
                 batch_invariant=batch_invariant,
                 tile=tile,
                 bounded=bounded,
@@ -581,6 +583,7 @@ def plan_tiles(
     num_sms: int,
     *,
     forced_splits: int = 0,
+    forced_keys: int = 0,
     batch_invariant: bool = False,
     tile: TileConfig | None = None,
     bounded: bool = False,
@@ -588,8 +591,9 @@ def plan_tiles(
     listing: bool = True,
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
-    tile, ``forced_splits`` its splits; ``bounded``: a CUDA-graph plan, whose scratch is
-    sized once, splits decode-like steps only)."""
+    tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
+    of that many keys; ``bounded``: a CUDA-graph plan, whose scratch is sized once,
+    splits decode-like steps only)."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
@@ -605,7 +609,9 @@ def plan_tiles(
         block_m, memory_bound = choose_block_m(layer, step)
         tile = choose_tile(layer, block_m, memory_bound, fit)
     block_q = _block_q(layer, tile)
-    if forced_splits:
+    if forced_keys:
+        choice = forced_key_ranges(step, tile, forced_keys)
+    elif forced_splits:
         choice = SPLIT_POLICY.choose(
             0, step.max_query_len, step.max_seq_len, num_sms, forced=forced_splits,
             granule=tile.tile_n,
@@ -623,6 +629,31 @@ def plan_tiles(
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
+
+
+def forced_key_ranges(step: StepShape, tile: TileConfig, keys: int) -> SplitChoice:
+    """Splits of ``keys`` keys each (fixed ranges; tuning, e.g. benchmarks/triton_sweep.py
+    --key-ranges): whole key tiles, at most ``SPLIT_POLICY.max_splits`` of the longest
+    sequence, for decode-like steps (a chunk's partials would take the scratch of its
+    every query row times the ranges)."""
+    if step.max_query_len > SPLIT_POLICY.max_query_len:
+        raise ConfigError(
+            f"keys_per_split={keys}: decode-like steps only (at most "
+            f"{SPLIT_POLICY.max_query_len} queries a request; this one has {step.max_query_len})"
+        )
+    if keys <= 0 or keys % tile.tile_n:
+        raise ConfigError(
+            f"keys_per_split={keys}: expected a positive multiple of the tile's "
+            f"{tile.tile_n} keys ({tile})"
+        )
+    splits = max(1, cdiv(step.max_seq_len, keys))
+    if splits > SPLIT_POLICY.max_splits:
+        raise ConfigError(
+            f"keys_per_split={keys} cuts a {step.max_seq_len}-key sequence into {splits} "
+            f"ranges; at most {SPLIT_POLICY.max_splits}: expected at least "
+            f"{cdiv(cdiv(step.max_seq_len, SPLIT_POLICY.max_splits), tile.tile_n) * tile.tile_n}"
+        )
+    return SplitChoice(splits, keys, fixed_ranges=splits > 1)
 
 
 def partial_bytes_per_split(layer: LayerShape, tokens: int) -> int:
