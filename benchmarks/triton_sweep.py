@@ -50,6 +50,7 @@ from pagedkv.backends.triton.configs import (
     StepShape,
     TileConfig,
     choose_block_m,
+    key_range_estimates,
 )
 from pagedkv.bench.problem import BenchProblem as Problem
 from pagedkv.bench.problem import build_problem as build_bench_problem
@@ -72,6 +73,8 @@ class Trial:
     tflops: float | None = None
     chosen: bool = False  # what the rule picks
     keys_per_split: int = 0  # fixed key ranges of this many keys (0: even shares)
+    # the makespan rule's estimate of those ranges, in keys (configs.key_range_estimates)
+    estimate_keys: float | None = None
     error: str = ""
     # the compiled attention kernel: registers per thread (ptxas) and the programs one SM
     # holds of it, by registers and shared memory (what the rule's estimate stands for)
@@ -248,9 +251,17 @@ def sweep_key_ranges(bench: Bench, copy_bw: float) -> list[Trial]:
     trials = []
     if bench.default_keys == 0:
         trials.append(_trial(bench, copy_bw, tile, splits, 0, chosen=True))
-    for keys in candidate_key_ranges(problem, tile.tile_n):
+    ranges = candidate_key_ranges(problem, tile.tile_n)
+    builder = bench.builder
+    estimates = key_range_estimates(
+        LayerShape.of(problem.spec), StepShape.of(problem.common), tile, ranges,
+        builder.num_sms, builder.fits, builder.listing,
+    )  # fmt: skip
+    for keys, estimate in zip(ranges, estimates, strict=True):
         chosen = keys == bench.default_keys
-        trials.append(_trial(bench, copy_bw, tile, cdiv(longest, keys), keys, chosen))
+        trial = _trial(bench, copy_bw, tile, cdiv(longest, keys), keys, chosen)
+        trial.estimate_keys = float(estimate)
+        trials.append(trial)
     return trials
 
 
@@ -316,17 +327,19 @@ def print_report(trials: list[Trial], benches: dict[str, Bench]) -> None:
         print(f"== {name} (rule: {bench.block_m} rows, {bound}-bound)")
         print(
             f"{'tile':<18} {'splits':>6} {'keys':>6} {'us':>9} {'%copy':>6} {'TFLOP/s':>8}"
-            f" {'regs':>5} {'/SM':>4}"
+            f" {'regs':>5} {'/SM':>4} {'estimate':>9}"
         )
-        for t in rows[:16]:
+        for t in rows[:24]:
             keys = t.keys_per_split or "-"
             if t.us is None:
                 print(f"{t.tile:<18} {t.num_splits:>6} {keys:>6} ERROR {t.error}")
                 continue
             mark = "  <- the rule's choice" if t.chosen else ""
+            estimate = f"{t.estimate_keys:9.0f}" if t.estimate_keys is not None else f"{'-':>9}"
             print(
                 f"{t.tile:<18} {t.num_splits:>6} {keys:>6} {t.us:9.1f} {t.pct_copy:6.1f}"
-                f" {t.tflops:8.1f} {t.registers or '-':>5} {t.programs_per_sm or '-':>4}{mark}"
+                f" {t.tflops:8.1f} {t.registers or '-':>5} {t.programs_per_sm or '-':>4}"
+                f" {estimate}{mark}"
             )
         chosen = [t for t in rows if t.chosen and t.us]
         if chosen and rows[0].us:

@@ -32,6 +32,7 @@ from pagedkv.backends.triton.configs import (
     TileConfig,
     fits,
     graph_items,
+    key_range_estimates,
     plan_step,
     plan_tiles,
     slots_per_sm,
@@ -387,6 +388,12 @@ def test_eager_key_ranges_may_fall_between_powers_of_two():
     step = step_splits(H200_LAYER, _step(seq_lens, [1] * 16), graph, H200_SMS, fit, True, items)
     tiles = step.keys_per_split // 64
     assert step.fixed_ranges and tiles & (tiles - 1) == 0, step
+    # the estimate the sweep records per range ranks the rule's pick first among them
+    multiples = (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112)
+    ranges = [64 * m for m in multiples]
+    estimates = key_range_estimates(H200_LAYER, _step(seq_lens, [1] * 16), plan.tile, ranges,
+                                    H200_SMS, fit)  # fmt: skip
+    assert ranges[int(np.argmin(estimates))] == 20 * 64, dict(zip(ranges, estimates))
 
 
 def test_a_ragged_batch_splits_its_long_requests():

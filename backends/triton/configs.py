@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -798,18 +799,12 @@ def makespan_splits(
         limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
     if max_splits is not None:
         limit = min(limit, max_splits)
-    slots = slots_per_sm(layer, tile, False, fit) * num_sms
-    split_slots = slots_per_sm(layer, tile, True, fit) * num_sms
+    keys, split_slots, costs = _makespan_inputs(layer, step, tile, block_q, num_sms, fit)
     return SPLIT_POLICY.choose_by_makespan(
-        program_keys(layer, step, block_q),
-        slots,
-        granule=tile.tile_n,
-        overhead_keys=PROGRAM_OVERHEAD_KEYS,
-        merge_keys_per_split=merge_keys_per_split(
-            split_bytes, split_slots, layer.head_size, layer.cache_bytes
-        ),
+        keys,
+        slots_per_sm(layer, tile, False, fit) * num_sms,
+        **costs,
         max_splits=limit,
-        copies=layer.num_kv_heads,
         split_slots=split_slots,
         key_ranges=key_ranges and layer.window is None,
         # fixed key ranges launched as a list of the ranges that hold keys
@@ -817,6 +812,49 @@ def makespan_splits(
         max_programs=max_items,
         range_multiples=range_multiples,
     )
+
+
+def key_range_estimates(
+    layer: LayerShape,
+    step: StepShape,
+    tile: TileConfig,
+    keys_per_split: list[int],
+    num_sms: int,
+    fit: FitSource | None = None,
+    listing: bool = True,
+) -> np.ndarray:
+    """The makespan rule's estimate (in keys) of ``step`` split into fixed ranges of each
+    of ``keys_per_split`` keys with ``tile``: what benchmarks/triton_sweep.py
+    --key-ranges records beside each measured range."""
+    block_q = _block_q(layer, tile)
+    keys, split_slots, costs = _makespan_inputs(layer, step, tile, block_q, num_sms, fit)
+    return SPLIT_POLICY.key_range_estimates(
+        keys, split_slots, keys_per_split, **costs,
+        listed=listing and one_block_per_request(step, block_q),
+    )  # fmt: skip
+
+
+def _makespan_inputs(
+    layer: LayerShape,
+    step: StepShape,
+    tile: TileConfig,
+    block_q: int,
+    num_sms: int,
+    fit: FitSource | None,
+) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """The makespan rule's view of a step with ``tile``: each program's keys, the slots
+    of a split launch, and the costs (key step, program overhead, merge, copies)."""
+    split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
+    split_slots = slots_per_sm(layer, tile, True, fit) * num_sms
+    costs = dict(
+        granule=tile.tile_n,
+        overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=merge_keys_per_split(
+            split_bytes, split_slots, layer.head_size, layer.cache_bytes
+        ),
+        copies=layer.num_kv_heads,
+    )
+    return program_keys(layer, step, block_q), split_slots, costs
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

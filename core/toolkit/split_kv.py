@@ -233,20 +233,10 @@ class SplitPolicy:
         ranges = sorted(candidates)
         if not ranges:
             return SplitChoice(1, int(most * granule)), float("inf")
-        per_range = np.array(ranges, dtype=np.float64)[:, None]  # [R, 1]
-        pieces = np.ceil(steps[None, :] / per_range)  # [R, P] programs with keys
-        splits = np.ceil(most / per_range[:, 0])  # [R] the grid's split axis
-        work = (steps.sum() * granule + pieces.sum(axis=1) * overhead_keys) * copies
-        if listed:  # only the programs with keys
-            programs = pieces.sum(axis=1) * copies
-        else:  # every sequence's programs up to the longest one's, the others empty
-            programs = len(keys) * splits * copies
-            work += (programs - pieces.sum(axis=1) * copies) * overhead_keys
-        estimate = _grid_time(
-            work, np.minimum(per_range[:, 0], most) * granule + overhead_keys, programs,
-            np.full(len(ranges), max(1, slots)),
+        estimate, splits, programs = _range_estimates(
+            steps, np.array(ranges, dtype=np.float64), slots, granule, overhead_keys,
+            merge_keys_per_split, copies, listed,
         )  # fmt: skip
-        estimate += splits * merge_keys_per_split
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
         pick = int(np.argmin(estimate))
@@ -254,6 +244,29 @@ class SplitPolicy:
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
         )
+
+    def key_range_estimates(
+        self,
+        keys: np.ndarray,
+        slots: int,
+        keys_per_split: list[int],
+        *,
+        granule: int,
+        overhead_keys: float,
+        merge_keys_per_split: float = 0.0,
+        copies: int = 1,
+        listed: bool = False,
+    ) -> np.ndarray:
+        """``choose_by_makespan``'s estimate (in keys) of fixed key ranges of each of
+        ``keys_per_split`` keys (whole ``granule`` steps) on a split grid of ``slots``:
+        what a measurement of each range (benchmarks/triton_sweep.py --key-ranges) is
+        compared with to fit the estimate's constants."""
+        steps = np.ceil(np.asarray(keys, dtype=np.float64) / granule)
+        per_range = np.asarray(keys_per_split, dtype=np.float64) / granule
+        return _range_estimates(
+            steps, per_range, slots, granule, overhead_keys, merge_keys_per_split, copies,
+            listed,
+        )[0]  # fmt: skip
 
     @staticmethod
     def _choice(splits: int, max_seq_len: int, granule: int) -> SplitChoice:
@@ -269,6 +282,36 @@ def merge_keys_per_split(partial_bytes: int, slots: int, head_size: int, cache_b
     streams): it writes and reads ``partial_bytes`` (one split's partial results) once,
     in the time ``slots`` programs stream that many keys of K and V."""
     return 2 * partial_bytes / (slots * 2 * head_size * cache_bytes)
+
+
+def _range_estimates(
+    steps: np.ndarray,
+    per_range: np.ndarray,
+    slots: int,
+    granule: int,
+    overhead_keys: float,
+    merge_keys_per_split: float,
+    copies: int,
+    listed: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The makespan estimate of fixed key ranges of ``per_range`` inner steps each (one
+    entry per range size) over programs of ``steps`` inner steps, with each size's split
+    count (the longest program's ranges) and its programs."""
+    most = float(steps.max(initial=0.0))
+    pieces = np.ceil(steps[None, :] / per_range[:, None])  # [R, P] programs with keys
+    splits = np.ceil(most / per_range)  # [R] the grid's split axis
+    work = (steps.sum() * granule + pieces.sum(axis=1) * overhead_keys) * copies
+    if listed:  # only the programs with keys
+        programs = pieces.sum(axis=1) * copies
+    else:  # every sequence's programs up to the longest one's, the others empty
+        programs = len(steps) * splits * copies
+        work += (programs - pieces.sum(axis=1) * copies) * overhead_keys
+    estimate = _grid_time(
+        work, np.minimum(per_range, most) * granule + overhead_keys, programs,
+        np.full(len(per_range), max(1, slots)),
+    )  # fmt: skip
+    estimate += splits * merge_keys_per_split
+    return estimate, splits, programs
 
 
 def _grid_time(
