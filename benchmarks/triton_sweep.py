@@ -3,7 +3,6 @@
     python benchmarks/triton_sweep.py                     # every workload of attention.py
     python benchmarks/triton_sweep.py --workloads decode-64x4096 --quick --json sweep.json
     python benchmarks/triton_sweep.py --num-heads 64 --head-size 256 --block-size 32
-    python benchmarks/triton_sweep.py --plan-overhead      # host time per forward (CPU too)
     python benchmarks/triton_sweep.py --quick --all-splits --workloads decode-4x32k,ragged-decode-128
     python benchmarks/triton_sweep.py --key-ranges --workloads 'ragged-decode-128,gqa8-ragged-decode'
 
@@ -22,9 +21,8 @@ far the rule's choice is from the best, and the rule's view of the workload (row
 memory- or compute-bound): what the constants of ``backends/triton/configs.py`` are
 calibrated against (docs/triton.md lists them).
 
-``--plan-overhead`` times the host side of one forward with the kernel launches
-stubbed: the shared checks, the KV views, and completing the builder's launch
-templates with the layer's tensors.
+The host side of a forward (launches stubbed, on a CPU too) is
+``benchmarks/build_overhead.py --forward``'s.
 """
 
 from __future__ import annotations
@@ -346,42 +344,6 @@ def print_report(trials: list[Trial], benches: dict[str, Bench]) -> None:
             print(f"the rule's choice is {chosen[0].us / rows[0].us:.2f}x the best")
 
 
-def plan_overhead(problems: dict[str, Problem]) -> None:
-    """Host microseconds per forward with the kernel launches stubbed: the whole
-    forward (shared checks, views, launch planning) and the impl's planning alone."""
-    import time
-
-    from pagedkv.backends.triton import impl as triton_impl
-
-    def per_call_us(fn, n: int = 2000) -> float:
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - start) / n * 1e6)
-        return best
-
-    def one(bench: Bench) -> tuple[object, float, float]:
-        md = bench.builder.build(bench.problem.common)
-        q, impl, cache, out = bench.problem.query, bench.impl, bench.cache, bench.out
-        real = triton_impl.run_launches
-        triton_impl.run_launches = lambda launches: None  # the launches stubbed
-        try:
-            forward = per_call_us(lambda: impl.forward(q, None, None, cache, md, out))
-            planning = per_call_us(lambda: impl.plan(q, cache, md, out))
-        finally:
-            triton_impl.run_launches = real
-        return md, forward, planning
-
-    for name, problem in problems.items():
-        md, forward, planning = one(Bench(problem))
-        print(
-            f"{name}: {md.describe()}: forward without launches "
-            f"{forward:.1f} us, of which planning {planning:.1f} us"
-        )
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(w.name for w in MATRICES["core"]))
@@ -405,11 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--json", help="write every trial here")
-    p.add_argument("--plan-overhead", action="store_true", help="host time per forward only")
     args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.plan_overhead:
-        sys.exit("the sweep needs a CUDA device (--plan-overhead runs on a CPU)")
+    if not torch.cuda.is_available():
+        sys.exit(
+            "the sweep needs a CUDA device (benchmarks/build_overhead.py --forward: the host side, on a CPU)"
+        )
     names = [n for n in args.workloads.split(",") if n]
     shape = dict(
         num_heads=args.num_heads,
@@ -419,15 +381,6 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     dtype = args.dtype
-    if args.plan_overhead:
-        if device == "cpu":  # the CPU runs the kernels in Triton's interpreter
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-            dtype = "fp16" if dtype in (None, "bf16") else dtype
-        problems = {
-            n: build_problem(WORKLOADS[n], dtype=dtype, device=device, **shape) for n in names
-        }
-        plan_overhead(problems)
-        return
     copy_bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth (read+write): {copy_bw / 1e12:.3f} TB/s", flush=True)
     problems = {n: build_problem(WORKLOADS[n], dtype=dtype, **shape) for n in names}

@@ -1,5 +1,5 @@
-"""benchmarks/triton_sweep.py: the occupancy it records for each compiled variant (the
-sweep itself needs a GPU; --plan-overhead runs on a CPU)."""
+"""benchmarks/triton_sweep.py: the occupancy it records for each compiled variant, the
+key ranges it times and their plans (the sweep itself needs a GPU)."""
 
 from __future__ import annotations
 
