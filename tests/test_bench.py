@@ -49,7 +49,23 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
     for row in rows:
         assert not row.error, row.error
         assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
-        assert row.graph_us is None  # no CUDA graphs on a CPU
+        assert row.graph_us is None and row.graph_flushed_us is None  # no CUDA graphs here
+        assert row.host_us is None
+
+
+def test_host_share_is_eager_minus_the_graph_timed_as_eager_calls():
+    """``host`` subtracts the graph replayed with the L2 flushed before each replay (as
+    eager calls are timed); a row from a run without that figure falls back to the plain
+    graph's. The tables show both graph figures."""
+    from pagedkv.bench.report import HEADERS, row_cells
+    from pagedkv.bench.runners import Row
+
+    row = Row("w", "triton", eager_us=130.0, graph_us=110.0, graph_flushed_us=125.0)
+    assert row.host_us == pytest.approx(5.0)
+    cells = dict(zip(HEADERS, row_cells(row), strict=True))
+    assert (cells["graph us"], cells["flushed us"], cells["host us"]) == ("110.0", "125.0", "5.0")
+    earlier = Row("w", "triton", eager_us=130.0, graph_us=110.0)
+    assert earlier.host_us == pytest.approx(20.0)
 
 
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):

@@ -116,9 +116,11 @@ def run_bench(
                 row.gbps = problem.io_bytes() / seconds / 1e9
                 row.pct_copy = 100.0 * problem.io_bytes() / seconds / copy_bw
                 row.tflops = problem.flops() / seconds / 1e12
+            graph = "-" if row.graph_us is None else f"{row.graph_us:.1f}"
+            flushed = "-" if row.graph_flushed_us is None else f"{row.graph_flushed_us:.1f}"
             progress(
-                f"    {row.impl}: eager {row.eager_us or 0:.1f} us, graph "
-                f"{row.graph_us if row.graph_us is not None else '-'} {row.error}"
+                f"    {row.impl}: eager {row.eager_us or 0:.1f} us, graph {graph} "
+                f"(L2 flushed: {flushed}) {row.error}"
             )
             if row.launch_us is not None:
                 progress(f"      host time to enqueue one call: {row.launch_us:.1f} us")

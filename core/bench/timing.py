@@ -41,6 +41,43 @@ def time_graph_us(fn: Callable[[], Any]) -> float | None:
         return None
 
 
+# what ``triton.testing.do_bench`` zeroes before each call to flush the L2 cache
+_FLUSH_BYTES = 256 << 20
+
+
+def time_graph_flushed_us(fn: Callable[[], Any], reps: int = 100) -> float | None:
+    """Median per replay of ``fn`` captured in a CUDA graph, the L2 flushed before each
+    replay as ``time_us`` flushes it before each eager call: an eager call minus this is
+    the host's share of it (``time_graph_us`` replays back to back, with what the previous
+    replay left in L2). None, with the reason on stderr, when ``fn`` cannot be captured."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up off the capture, as torch asks
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            fn()
+        flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for _ in range(5):
+            flush.zero_()
+            graph.replay()
+        for start, end in zip(starts, ends, strict=True):
+            flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    except Exception as exc:
+        print(f"    (no flushed CUDA-graph timing: {type(exc).__name__}: {exc})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
 def launch_us(fn: Callable[[], Any], device: torch.device, calls: int = 50) -> float:
     """Host time to enqueue one call (median of 5 runs of ``calls`` back-to-back calls,
     no sync between them): what a CUDA graph saves per call. Fewer launches than the
