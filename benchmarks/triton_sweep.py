@@ -42,6 +42,7 @@ import pagedkv
 import torch
 from pagedkv.backends.triton.configs import (
     BLOCK_M_CHOICES,
+    EAGER_RANGE_MULTIPLES,
     SPLIT_POLICY,
     TILE_N_CHOICES,
     LayerShape,
@@ -219,25 +220,15 @@ def candidate_splits(problem: Problem) -> list[int]:
 
 
 def candidate_key_ranges(problem: Problem, tile_n: int) -> list[int]:
-    """Fixed key ranges for ``--key-ranges``: 1, 1.25, 1.5, 1.75 times each power of two
-    of the key step, at least the rule's minimum, at most its splits of the longest
-    sequence; none for steps that are not decode-like."""
+    """Fixed key ranges for ``--key-ranges``: those the eager rule compares for the
+    longest sequence (``SplitPolicy.key_range_candidates`` with
+    ``EAGER_RANGE_MULTIPLES``); none for steps that are not decode-like."""
     w = problem.workload
     if max(w.query_lens) > SPLIT_POLICY.max_query_len:
         return []
-    longest = max(w.seq_lens)
-    ranges = set()
-    power = tile_n
-    while power < longest:
-        for keys in (power, power * 5 // 4, power * 3 // 2, power * 7 // 4):
-            if (
-                keys % tile_n == 0
-                and SPLIT_POLICY.min_keys_per_split <= keys < longest
-                and cdiv(longest, keys) <= SPLIT_POLICY.max_splits
-            ):
-                ranges.add(keys)
-        power *= 2
-    return sorted(ranges)
+    return SPLIT_POLICY.key_range_candidates(
+        max(w.seq_lens), tile_n, SPLIT_POLICY.max_splits, EAGER_RANGE_MULTIPLES
+    )
 
 
 def sweep_key_ranges(bench: Bench, copy_bw: float) -> list[Trial]:
@@ -385,19 +376,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth (read+write): {copy_bw / 1e12:.3f} TB/s", flush=True)
     problems = {n: build_problem(WORKLOADS[n], dtype=dtype, **shape) for n in names}
     benches = {n: Bench(p) for n, p in problems.items()}
-    tiles = {n: candidate_tiles(b, args.quick) for n, b in benches.items()}
+    # --key-ranges times the rule's tile only
+    tiles = {
+        n: [] if args.key_ranges else candidate_tiles(b, args.quick) for n, b in benches.items()
+    }
     jobs = []
     for n, bench in benches.items():
         default_tile, default_splits = bench.default
-        variants = [
-            (tile, splits, 0)
-            for tile in [*tiles[n], default_tile]
-            for splits in {default_splits, *candidate_splits(bench.problem)}
-        ]
         if args.key_ranges:  # the ranged launches' variants (trimmed, listed)
             ranges = candidate_key_ranges(bench.problem, default_tile.tile_n)
             variants = [(default_tile, default_splits, 0)] + [
                 (default_tile, 0, keys) for keys in ranges
+            ]
+        else:
+            variants = [
+                (tile, splits, 0)
+                for tile in [*tiles[n], default_tile]
+                for splits in {default_splits, *candidate_splits(bench.problem)}
             ]
         for tile, splits, keys in variants:
             try:

@@ -222,15 +222,11 @@ class SplitPolicy:
         launches within ``max_programs`` programs per copy)."""
         steps = np.ceil(keys / granule)  # [P]
         most = float(steps.max(initial=0.0))
-        least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
-        candidates: set[int] = set()  # inner steps per split
-        r = 1 << max(0, least.bit_length() - 1)  # the power of two at or below least
-        # like even shares: no split unless the longest sequence holds two minimal ones
-        while r < most and most * granule >= 2 * self.min_keys_per_split:
-            steps_each = (r * m for m in range_multiples)
-            candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
-            r *= 2
-        ranges = sorted(candidates)
+        longest = most * granule
+        ranges = [
+            k // granule
+            for k in self.key_range_candidates(longest, granule, limit, range_multiples)
+        ]
         if not ranges:
             return SplitChoice(1, int(most * granule)), float("inf")
         estimate, splits, programs = _range_estimates(
@@ -244,6 +240,28 @@ class SplitPolicy:
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
         )
+
+    def key_range_candidates(
+        self,
+        longest: float,
+        granule: int,
+        limit: int,
+        range_multiples: tuple[float, ...] = (1.0,),
+    ) -> list[int]:
+        """The fixed key ranges (in keys) ``choose_by_makespan`` compares for a longest
+        program of ``longest`` keys: powers of two of ``granule`` times each of
+        ``range_multiples``, in whole granules, at least ``min_keys_per_split``, at most
+        ``limit`` of them in the longest program, shorter than it; none unless it holds
+        two minimal ranges (as even shares)."""
+        most = float(np.ceil(longest / granule))
+        least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
+        candidates: set[int] = set()  # inner steps per split
+        r = 1 << max(0, least.bit_length() - 1)  # the power of two at or below least
+        while r < most and most * granule >= 2 * self.min_keys_per_split:
+            steps_each = (r * m for m in range_multiples)
+            candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
+            r *= 2
+        return [n * granule for n in sorted(candidates)]
 
     def key_range_estimates(
         self,
