@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import importlib
 import itertools
 import json
@@ -92,6 +93,15 @@ def build_problem(workload, *, device: str = "cuda", **layer) -> Problem:
     return build_bench_problem(dataclasses.replace(workload, layer=layer_shape), device)
 
 
+def select_workloads(patterns: str) -> list[str]:
+    """The rows named or matched (``ragged-*``) by comma-separated ``patterns``, in the
+    matrix's order."""
+    names = [n for n in WORKLOADS if any(fnmatch.fnmatch(n, p) for p in patterns.split(","))]
+    if not names:
+        sys.exit(f"no workload matches {patterns!r}; known: {', '.join(WORKLOADS)}")
+    return names
+
+
 def time_eager_us(fn) -> float:
     return time_us(fn, torch.device("cuda"))
 
@@ -117,6 +127,14 @@ class Bench:
         # the rule's view of the workload
         layer = LayerShape.of(spec)
         self.block_m, self.memory_bound = choose_block_m(layer, StepShape.of(problem.common))
+
+    def rule_keys(self, tile: TileConfig, splits: int) -> int:
+        """The rule's fixed key range where it chose ranges, ``splits`` is their count and
+        ``tile``'s key step divides it (so other tiles are compared on the rule's ranges);
+        else 0, even shares."""
+        keys = self.default_keys
+        same = keys and splits == self.default[1] and keys % tile.tile_n == 0
+        return keys if same else 0
 
     def launches(self, tile: TileConfig, splits: int, keys: int = 0) -> list:
         """The step's launches with ``tile`` and ``splits`` even shares, or with fixed
@@ -196,18 +214,27 @@ def precompile(jobs: list[tuple], processes: int) -> None:
         print(f"  parallel compile failed ({type(exc).__name__}: {exc}); continuing", flush=True)
 
 
-def candidate_tiles(bench: Bench, quick: bool) -> list[TileConfig]:
-    """The rule's rows and their neighbours, every key step, warps and stages."""
+def candidate_tiles(
+    bench: Bench,
+    quick: bool,
+    stages: tuple[int, ...] | None = None,
+    tile_ns: tuple[int, ...] = TILE_N_CHOICES,
+) -> list[TileConfig]:
+    """The rule's rows and their neighbours, every key step, warps and stages.
+
+    ``stages`` (default 2 with ``quick``, else 1-3): Triton's pipeliner divides the
+    stages among the chain of loads (page-table entry, then K/V), so the gathered K/V
+    tiles get two buffers only from 5 stages on, three from 7."""
     group = bench.problem.spec.num_queries_per_kv
     i = BLOCK_M_CHOICES.index(bench.block_m)
     rows = [m for m in BLOCK_M_CHOICES[max(0, i - 1) : i + 2] if m >= group]
     if quick:
-        rows, stages = [bench.block_m], (2,)
-    else:
-        stages = (1, 2, 3)
+        rows = [bench.block_m]
+    if stages is None:
+        stages = (2,) if quick else (1, 2, 3)
     return [
         TileConfig(m, n, w, st)
-        for m, n, w, st in itertools.product(rows, TILE_N_CHOICES, (4, 8), stages)
+        for m, n, w, st in itertools.product(rows, tile_ns, (4, 8), stages)
         if w == 4 or m >= 64
     ]
 
@@ -284,7 +311,7 @@ def sweep(
 
     def trial(tile: TileConfig, splits: int) -> Trial:
         chosen = (tile, splits) == bench.default
-        return _trial(bench, copy_bw, tile, splits, 0, chosen)
+        return _trial(bench, copy_bw, tile, splits, bench.rule_keys(tile, splits), chosen)
 
     trials = []
     if all_splits:  # every tile at every split count (data to fit the split rule to)
@@ -347,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--quick", action="store_true", help="the rule's rows only, 2 stages")
     p.add_argument(
+        "--stages", help="pipeline stages to try, e.g. 2,5,7 (default: 2 with --quick, else 1,2,3)"
+    )
+    p.add_argument("--tile-n", help="keys per step to try, e.g. 32,64 (default: all)")
+    p.add_argument(
         "--all-splits",
         action="store_true",
         help="every candidate tile at every split count (default: the splits with the best tile)",
@@ -363,7 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(
             "the sweep needs a CUDA device (benchmarks/build_overhead.py --forward: the host side, on a CPU)"
         )
-    names = [n for n in args.workloads.split(",") if n]
+    names = select_workloads(args.workloads)
+    stages = tuple(int(x) for x in args.stages.split(",")) if args.stages else None
+    tile_ns = tuple(int(x) for x in args.tile_n.split(",")) if args.tile_n else TILE_N_CHOICES
     shape = dict(
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
@@ -378,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     benches = {n: Bench(p) for n, p in problems.items()}
     # --key-ranges times the rule's tile only
     tiles = {
-        n: [] if args.key_ranges else candidate_tiles(b, args.quick) for n, b in benches.items()
+        n: [] if args.key_ranges else candidate_tiles(b, args.quick, stages, tile_ns)
+        for n, b in benches.items()
     }
     jobs = []
     for n, bench in benches.items():
@@ -390,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
         else:
             variants = [
-                (tile, splits, 0)
+                (tile, splits, bench.rule_keys(tile, splits))
                 for tile in [*tiles[n], default_tile]
                 for splits in {default_splits, *candidate_splits(bench.problem)}
             ]

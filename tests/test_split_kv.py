@@ -430,7 +430,7 @@ def test_key_ranges_between_powers_of_two():
     powers = policy.choose_by_makespan(keys, 528, **base)
     finer = policy.choose_by_makespan(keys, 528, range_multiples=(1.0, 1.25, 1.5, 1.75), **base)
     assert powers.fixed_ranges and powers.keys_per_split == 512
-    assert finer.fixed_ranges and finer.keys_per_split == 640  # 10 granules: 1.25 x 8
+    assert finer.fixed_ranges and finer.keys_per_split == 1280  # 20 granules: 1.25 x 16
     # every candidate the rule may return: whole granules, >= the minimum, < the longest
     for multiples in ((1.0, 1.5), (1.0, 1.25, 1.5, 1.75), (1.75,)):
         for slots in (64, 132, 528, 2048):

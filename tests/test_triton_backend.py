@@ -27,6 +27,7 @@ from pagedkv import (
 from pagedkv.backends.triton.builder import TritonMetadataBuilder
 from pagedkv.backends.triton.configs import (
     SPLIT_POLICY,
+    LaunchForm,
     LayerShape,
     StepShape,
     TileConfig,
@@ -303,7 +304,7 @@ def _plan(layer, seq_lens, query_lens, **kwargs):
 # Registers of the attention kernel compiled for the H200 (Triton 3.6, D 128, 16-row
 # programs, 4 warps; unsplit, split), as benchmarks/triton_sweep.py read them there
 # (docs/results/sweep-h200-sixth-session-before.txt): what the builder's CompiledFits gives the
-# rule on that GPU. fp8 m16-n64 split spills 4 bytes.
+# rule on that GPU (both split forms the split column). fp8 m16-n64 split spills 4 bytes.
 H200_REGISTERS = {
     ("bf16", 16): (80, 78),
     ("bf16", 32): (112, 104),
@@ -317,7 +318,8 @@ H200_REGISTERS = {
 
 
 def h200_fits(kind: str):
-    def fit(tile: TileConfig, split: bool) -> KernelFit:
+    def fit(tile: TileConfig, form: LaunchForm) -> KernelFit:
+        split = form is not LaunchForm.UNSPLIT
         registers = H200_REGISTERS[(kind, tile.tile_n)][split]
         spill = 4 if (kind, tile.tile_n, split) == ("fp8", 64, True) else 0
         per_sm = 65536 // (-(-registers // 8) * 8 * 32 * tile.num_warps)
@@ -396,13 +398,45 @@ def test_eager_key_ranges_may_fall_between_powers_of_two():
     assert ranges[int(np.argmin(estimates))] == 20 * 64, dict(zip(ranges, estimates))
 
 
+def test_key_ranges_are_estimated_with_their_own_launchs_occupancy():
+    """Each launch form compiles to its own variant (H200, GQA 16: the listed key ranges
+    hold 4 programs per SM where even shares hold 3): the ranges' estimate and choice
+    read the KEY_RANGES fit, even shares the EVEN_SHARES one."""
+    layer = dataclasses.replace(H200_LAYER, num_heads=64, num_kv_heads=4)
+    rng = np.random.default_rng(3)
+    seq_lens = rng.integers(200, 9000, 40).tolist()
+    step = _step(seq_lens, [1] * 40)
+    tile = TileConfig(16, 64, 4, 2)
+
+    def fit_with(even: int, ranges: int):
+        def fit(t: TileConfig, form: LaunchForm) -> KernelFit:
+            per_sm = {LaunchForm.UNSPLIT: 3, LaunchForm.EVEN_SHARES: even}.get(form, ranges)
+            return KernelFit(126, 0, 0, per_sm)
+
+        return fit
+
+    ranges = [512, 768, 1024, 1280, 1792, 2048]
+    estimate = {
+        (even, rng_): key_range_estimates(layer, step, tile, ranges, H200_SMS, fit_with(even, rng_))
+        for even, rng_ in ((3, 4), (4, 4), (3, 3))
+    }
+    np.testing.assert_array_equal(estimate[(3, 4)], estimate[(4, 4)])  # even shares' fit unread
+    assert not np.allclose(estimate[(3, 4)], estimate[(3, 3)])  # the ranges' fit is
+    # and the rule's choice follows the ranges' fit
+    plans = {
+        key: _plan(layer, seq_lens, [1] * 40, fit=fit_with(*key), tile=tile)
+        for key in ((3, 4), (3, 3))
+    }
+    assert plans[(3, 4)].tiles_per_split != plans[(3, 3)].tiles_per_split, plans
+
+
 def test_a_ragged_batch_splits_its_long_requests():
     """One long request among short ones would be the grid's critical path: it is cut
     until its programs stream no more than about the step's work per slot."""
     seq_lens = [32768] + [1024] * 127
     fit = h200_fits("bf16")
     plan = _plan(H200_LAYER, seq_lens, [1] * 128, fit=fit)
-    slots = slots_per_sm(H200_LAYER, plan.tile, True, fit) * H200_SMS
+    slots = slots_per_sm(H200_LAYER, plan.tile, LaunchForm.EVEN_SHARES, fit) * H200_SMS
     work_per_slot = sum(seq_lens) * H200_LAYER.num_kv_heads / slots
     assert plan.num_splits > 1 and 32768 / plan.num_splits <= work_per_slot * 1.25
     # without its long request the batch takes fewer splits (2: the split tile holds 4
@@ -1008,3 +1042,24 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
 )
 def test_a_graph_steps_runs_of_decodes_and_longer_requests(query_lens, runs):
     assert decode_and_longer_runs(np.array(query_lens), 1) == runs
+
+
+def test_each_launch_form_is_probed_as_it_launches():
+    """CompiledFits compiles, per tile, the variant each launch form runs (planned here on
+    the CPU; the GPU compiles them): unsplit, even shares, and listed key ranges; a
+    backend's num_splits option does not reach the probes."""
+    from pagedkv.backends.triton.occupancy import CompiledFits
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         dtype=torch.float16)  # fmt: skip
+    fits = CompiledFits(spec, torch.device("cpu"), {"num_splits": 4})
+    tile = TileConfig(16, 64, 4, 2)
+    flags = {}
+    for form in LaunchForm:
+        kwargs = fits.probe_launch(tile, form).kwargs
+        flags[form] = (kwargs["SPLIT"], kwargs["TRIM_SPLITS"], kwargs["RANGE_LIST"])
+    assert flags == {
+        LaunchForm.UNSPLIT: (False, False, False),
+        LaunchForm.EVEN_SHARES: (True, False, False),
+        LaunchForm.KEY_RANGES: (True, True, True),
+    }

@@ -129,9 +129,10 @@ def test_offsets_past_2_31_elements():
 
 def test_the_rule_reads_the_compiled_kernels_registers():
     """On a GPU the builder's tile rule asks the compiled kernel how many programs an
-    SM holds (configs.FitSource): every variant it asked about compiled, each split and
-    unsplit launch with its own registers, and the plan's tile is one of them."""
-    from pagedkv.backends.triton.configs import LayerShape, StepShape
+    SM holds (configs.FitSource): every variant it asked about compiled, each launch
+    form (unsplit, even shares, listed key ranges) with its own registers, and the plan's
+    tile is one of them."""
+    from pagedkv.backends.triton.configs import LaunchForm, LayerShape, StepShape
 
     spec = AttentionSpec(
         num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
@@ -143,8 +144,8 @@ def test_the_rule_reads_the_compiled_kernels_registers():
     common = CommonAttentionMetadata.from_requests(seq_lens, [1] * 64, blocks, 16, "cuda")
     md = builder.build(common)
     asked = builder.fits._fits
-    assert (md.tile, True) in asked and (md.tile, False) in asked
-    for (tile, _split), fit in asked.items():
+    assert {(md.tile, form) for form in LaunchForm} <= set(asked)
+    for (tile, _form), fit in asked.items():
         assert fit is not None and fit.registers > 0 and fit.programs_per_sm >= 1, tile
     # the plan is what the rule makes of those fits
     from pagedkv.backends.triton.configs import plan_tiles

@@ -56,3 +56,49 @@ def test_a_key_range_variant_is_planned_as_fixed_ranges(sweep, monkeypatch):
     assert launches and all(callable(launch) for launch in launches)
     md = bench.builder.build(bench.problem.common, tile=tile, keys_per_split=keys)
     assert md.plan.trim_splits and md.plan.tiles_per_split == 8
+
+
+def test_stages_and_key_steps_choose_the_candidate_tiles(sweep):
+    """``--stages`` / ``--tile-n`` replace the stages and key steps tried (Triton gives
+    the gathered K/V two buffers only from 5 stages on, so the default 1-3 never
+    compares double buffering); ``--quick`` keeps the rule's rows, 2 stages."""
+    from types import SimpleNamespace
+
+    bench = SimpleNamespace(problem=SimpleNamespace(spec=SimpleNamespace(num_queries_per_kv=4)),
+                            block_m=16)  # fmt: skip
+    quick = sweep["candidate_tiles"](bench, True)
+    assert {(t.block_m, t.num_stages) for t in quick} == {(16, 2)}
+    tiles = sweep["candidate_tiles"](bench, True, (2, 5, 7), (32, 64))
+    assert {(t.tile_n, t.num_stages) for t in tiles} == {
+        (n, s) for n in (32, 64) for s in (2, 5, 7)
+    }
+    wide = sweep["candidate_tiles"](bench, False)
+    assert {t.num_stages for t in wide} == {1, 2, 3} and {t.block_m for t in wide} == {16, 32}
+
+
+def test_tiles_are_compared_on_the_rules_key_ranges(sweep):
+    """A tile whose key step divides the rule's fixed range is timed on those ranges at the
+    rule's count; other counts and other steps take even shares."""
+    from types import SimpleNamespace
+
+    from pagedkv.backends.triton.configs import TileConfig
+
+    rule = TileConfig(16, 64, 4, 2)
+    bench = SimpleNamespace(default=(rule, 6), default_keys=576)
+    rule_keys = sweep["Bench"].rule_keys
+    assert rule_keys(bench, TileConfig(16, 64, 4, 5), 6) == 576
+    assert rule_keys(bench, TileConfig(16, 32, 4, 2), 6) == 576
+    assert rule_keys(bench, TileConfig(16, 128, 4, 2), 6) == 0  # 576 is 4.5 steps of 128
+    assert rule_keys(bench, rule, 4) == 0
+    assert rule_keys(SimpleNamespace(default=(rule, 2), default_keys=0), rule, 2) == 0
+
+
+def test_workloads_are_named_or_matched(sweep):
+    """``--workloads`` takes names and patterns, in the matrix's order; one that matches
+    nothing stops with the known names."""
+    select = sweep["select_workloads"]
+    assert select("decode-1x32k,decode-64x4096") == ["decode-64x4096", "decode-1x32k"]
+    ragged = select("ragged-*")
+    assert "ragged-decode-128" in ragged and all(n.startswith("ragged-") for n in ragged)
+    with pytest.raises(SystemExit, match="no workload matches 'nothing-\\*'"):
+        select("nothing-*")

@@ -30,6 +30,7 @@ and lists the constants below that are measurements to repeat on a new GPU.
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,11 +123,10 @@ GRAPH_ITEM_WAVES = 16
 # each of these, so a ragged batch's ranges can fill its waves more closely. H200, 10
 # ragged, speculative and mixed rows, eager, against powers of two alone: faster on 8
 # (1-12%: mixed 16+1 178 -> 157 us), equal on 1, slower on 1 (speculative 32x8, 1792-key
-# ranges instead of 2048: 190 -> 216 us, where the estimate had them 7% faster). A
-# CUDA-graph step keeps powers of two: under the plan's width and item cap the finer
-# ranges the rule chose were slower on 7 of 9 rows (GQA 8: 247.5 -> 268.3 us). The
-# rule's tail terms were fitted with powers of two (split_kv.RAGGED_TAIL_SHARE); refitting them
-# over finer ranges is what would let graphs take them (docs/triton.md)
+# ranges instead of 2048: 190 -> 216 us; undone by the ranges' tail,
+# split_kv.RANGE_TAIL_SHARE: 191 us). A CUDA-graph step keeps powers of two: with the
+# waves' tail the finer ranges were slower on 7 of 9 graph rows; with the ranges' tail
+# faster on 3 of 4 (0.6-1.7%), too few to change them (docs/triton.md)
 EAGER_RANGE_MULTIPLES = (1.0, 1.25, 1.5, 1.75)
 
 
@@ -387,10 +387,21 @@ def _fitting_tiles(layer: LayerShape, block_m: int) -> list[TileConfig]:
     return out
 
 
-# The compiled kernel's fit of a tile on this GPU, split (True) or not:
+class LaunchForm(enum.Enum):
+    """How a step's attention launch covers its keys. Each form compiles to its own
+    variant of the kernel, and ptxas may give each its own registers: on the H200 a GQA-16
+    layer's m16-n64 takes 4 programs per SM launched as listed key ranges, 3 as even
+    shares (so the rule estimates each form with its own occupancy)."""
+
+    UNSPLIT = "unsplit"
+    EVEN_SHARES = "even shares"  # a split launch: every program a share of its keys
+    KEY_RANGES = "fixed key ranges"  # a split launch listing the ranges that hold keys
+
+
+# The compiled kernel's fit of a tile in a launch form on this GPU:
 # ``occupancy.CompiledFits`` on a CUDA device. Where it is None, or gives None (nothing
 # compiles here), the register estimate stands in.
-FitSource = Callable[[TileConfig, bool], KernelFit | None]
+FitSource = Callable[[TileConfig, LaunchForm], KernelFit | None]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -404,12 +415,12 @@ def programs_per_sm(layer: LayerShape, tile: TileConfig) -> int:
 
 
 def slots_per_sm(
-    layer: LayerShape, tile: TileConfig, split: bool, fit: FitSource | None = None
+    layer: LayerShape, tile: TileConfig, form: LaunchForm, fit: FitSource | None = None
 ) -> int:
-    """Programs of ``tile`` one SM holds at once: the compiled kernel's count where
-    ``fit`` knows it (a split launch may take fewer registers than an unsplit one, or
-    more), else the estimate's."""
-    compiled = fit(tile, split) if fit is not None else None
+    """Programs of ``tile`` launched in ``form`` one SM holds at once: the compiled
+    kernel's count where ``fit`` knows it (a split launch may take fewer registers than an
+    unsplit one, or more), else the estimate's."""
+    compiled = fit(tile, form) if fit is not None else None
     if compiled is not None and compiled.programs_per_sm > 0:
         return compiled.programs_per_sm
     return programs_per_sm(layer, tile)
@@ -417,10 +428,11 @@ def slots_per_sm(
 
 def num_stages(layer: LayerShape) -> int:
     """Software-pipelining depth: 2 overlaps the next page-table lookups and loads with
-    the current tile. Triton does not multi-buffer the gathered K/V loads (shared memory
-    is the same at 2 and 3 stages), deeper pipelines only cost registers, and the H200
-    sweep found 2 to 5 stages within 1% on decode. An fp32 layer over an fp8 cache
-    (upcast and FMA operands in registers) spills even its smallest tile pipelined."""
+    the current tile. Triton divides the stages among the chain of loads (table entry,
+    then K/V), so the K/V tiles get a second buffer only from 5 stages on; on the H200
+    that took 178-224 registers (2 programs per SM) and was slower on every decode row
+    (docs/triton.md). An fp32 layer over an fp8 cache (upcast and FMA operands in
+    registers) spills even its smallest tile pipelined."""
     return 1 if layer.fp32 and layer.cache_bytes == 1 else 2
 
 
@@ -485,7 +497,7 @@ def _compiled_memory_tile(layer: LayerShape, block_m: int, fit: FitSource) -> Ti
         tile = TileConfig(block_m, tile_n, 4, num_stages(layer))
         if estimate_shared(layer, block_m, tile_n) > SHARED_PER_SM:
             continue
-        split = fit(tile, True)
+        split = fit(tile, LaunchForm.EVEN_SHARES)
         if split is None:
             return None
         if split.spill_bytes or split.programs_per_sm == 0:
@@ -494,7 +506,7 @@ def _compiled_memory_tile(layer: LayerShape, block_m: int, fit: FitSource) -> Ti
         enough = in_flight >= BYTES_IN_FLIGHT_PER_SM
         if not enough and short is not None and short[0] >= in_flight:
             continue
-        whole = fit(tile, False)  # the same tile launched unsplit must not spill either
+        whole = fit(tile, LaunchForm.UNSPLIT)  # unsplit, the tile must not spill either
         if whole is None or whole.spill_bytes or whole.programs_per_sm == 0:
             continue
         if enough:
@@ -706,7 +718,7 @@ def graph_items(
     """Work items of a CUDA-graph plan's listed launch over at most ``max_reqs``
     requests: every split of every request, at most ``GRAPH_ITEM_WAVES`` waves of split
     programs (each item is one program per KV head), at least one item per request."""
-    waves = GRAPH_ITEM_WAVES * slots_per_sm(layer, plan.tile, True, fit) * num_sms
+    waves = GRAPH_ITEM_WAVES * slots_per_sm(layer, plan.tile, LaunchForm.EVEN_SHARES, fit) * num_sms
     return min(max_reqs * plan.num_splits, max(max_reqs, cdiv(waves, layer.num_kv_heads)))
 
 
@@ -799,13 +811,16 @@ def makespan_splits(
         limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
     if max_splits is not None:
         limit = min(limit, max_splits)
-    keys, split_slots, costs = _makespan_inputs(layer, step, tile, block_q, num_sms, fit)
+    keys, split_slots, range_slots, costs = _makespan_inputs(
+        layer, step, tile, block_q, num_sms, fit
+    )
     return SPLIT_POLICY.choose_by_makespan(
         keys,
-        slots_per_sm(layer, tile, False, fit) * num_sms,
+        slots_per_sm(layer, tile, LaunchForm.UNSPLIT, fit) * num_sms,
         **costs,
         max_splits=limit,
         split_slots=split_slots,
+        range_slots=range_slots,
         key_ranges=key_ranges and layer.window is None,
         # fixed key ranges launched as a list of the ranges that hold keys
         listed=listing and one_block_per_request(step, block_q),
@@ -827,9 +842,13 @@ def key_range_estimates(
     of ``keys_per_split`` keys with ``tile``: what benchmarks/triton_sweep.py
     --key-ranges records beside each measured range."""
     block_q = _block_q(layer, tile)
-    keys, split_slots, costs = _makespan_inputs(layer, step, tile, block_q, num_sms, fit)
+    keys, split_slots, range_slots, costs = _makespan_inputs(
+        layer, step, tile, block_q, num_sms, fit
+    )
+    # (the merge's cost in the unit of the ranges' grid, as choose_by_makespan has it)
+    costs["merge_keys_per_split"] *= split_slots / range_slots
     return SPLIT_POLICY.key_range_estimates(
-        keys, split_slots, keys_per_split, **costs,
+        keys, range_slots, keys_per_split, **costs,
         listed=listing and one_block_per_request(step, block_q),
     )  # fmt: skip
 
@@ -841,11 +860,13 @@ def _makespan_inputs(
     block_q: int,
     num_sms: int,
     fit: FitSource | None,
-) -> tuple[np.ndarray, int, dict[str, Any]]:
+) -> tuple[np.ndarray, int, int, dict[str, Any]]:
     """The makespan rule's view of a step with ``tile``: each program's keys, the slots
-    of a split launch, and the costs (key step, program overhead, merge, copies)."""
+    of a split launch in even shares and in fixed key ranges, and the costs (key step,
+    program overhead, merge, copies)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
-    split_slots = slots_per_sm(layer, tile, True, fit) * num_sms
+    split_slots = slots_per_sm(layer, tile, LaunchForm.EVEN_SHARES, fit) * num_sms
+    range_slots = slots_per_sm(layer, tile, LaunchForm.KEY_RANGES, fit) * num_sms
     costs = dict(
         granule=tile.tile_n,
         overhead_keys=PROGRAM_OVERHEAD_KEYS,
@@ -854,7 +875,7 @@ def _makespan_inputs(
         ),
         copies=layer.num_kv_heads,
     )
-    return program_keys(layer, step, block_q), split_slots, costs
+    return program_keys(layer, step, block_q), split_slots, range_slots, costs
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

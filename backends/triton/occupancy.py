@@ -6,10 +6,10 @@ which tiles spill. The register estimate is fitted to unsplit launches and canno
 what ptxas does near its occupancy steps: on the H200 a split m16-n64 launch at D 128
 takes 124 registers (4 programs per SM) where the unsplit one takes 164 (3), and fp8
 m16-n128, estimated at 460, compiles to 168-178 without a spill. So on a CUDA device
-the rule asks the compiled kernel: each (tile, split) variant it considers is compiled
-once per builder, for a tiny step planned and completed by this backend's own builder
-and impl (the variant is the launch's, constant for constant). Triton keeps it in its
-caches; the launch that runs it does not compile it again.
+the rule asks the compiled kernel: each (tile, launch form) variant it considers is
+compiled once per builder, for a tiny step planned and completed by this backend's own
+builder and impl (the variant is the launch's, constant for constant). Triton keeps it in
+its caches; the launch that runs it does not compile it again.
 """
 
 from __future__ import annotations
@@ -17,41 +17,53 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pagedkv.backends.triton.configs import TileConfig
+from pagedkv.backends.triton.configs import LaunchForm, TileConfig
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.launch import KernelFit, compiled_fit
+from pagedkv.toolkit.launch import KernelFit, KernelLaunch, compiled_fit
 from triton.runtime.errors import OutOfResources
 
 # the probe step: two decodes (Triton specialises an int argument equal to 1, such as
-# a one-request step's request count), long enough for two splits of any tile
+# a one-request step's request count), long enough for two splits of any tile: two even
+# shares, or two fixed ranges of _PROBE_RANGE_KEYS (a whole number of any tile's keys)
 _PROBE_SEQ_LEN = 1024
 _PROBE_REQUESTS = 2
+_PROBE_RANGE_KEYS = 512
 
 
 class CompiledFits:
-    """``FitSource`` of one layer spec's builder on one CUDA device: ``(tile, split)`` ->
+    """``FitSource`` of one layer spec's builder on one CUDA device: ``(tile, form)`` ->
     the compiled attention kernel's ``KernelFit``, compiled on first ask."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device, options: dict[str, Any]) -> None:
         self.spec = spec
         self.device = device
-        self.options = options  # the builder's (each probe sets its own split count)
-        self._fits: dict[tuple[TileConfig, bool], KernelFit | None] = {}
+        # the builder's, but its split count: each probe sets its own
+        self.options = {k: v for k, v in options.items() if k != "num_splits"}
+        self._fits: dict[tuple[TileConfig, LaunchForm], KernelFit | None] = {}
         self._probe: tuple[Any, Any, CommonAttentionMetadata, tuple[torch.Tensor, ...]] | None = (
             None
         )
 
-    def __call__(self, tile: TileConfig, split: bool) -> KernelFit | None:
-        key = (tile, split)
+    def __call__(self, tile: TileConfig, form: LaunchForm) -> KernelFit | None:
+        key = (tile, form)
         if key not in self._fits:
-            self._fits[key] = self._compile(tile, split)
+            self._fits[key] = self._compile(tile, form)
         return self._fits[key]
 
-    def _compile(self, tile: TileConfig, split: bool) -> KernelFit | None:
+    def probe_launch(self, tile: TileConfig, form: LaunchForm) -> KernelLaunch:
+        """The attention launch of the probe step with ``tile`` in ``form`` (planned, not
+        run)."""
         builder, impl, common, (query, cache, out) = self._probe_step()
-        metadata = builder.build_metadata(common, tile=tile, num_splits=2 if split else 1)
-        attention = impl.plan(query, cache, metadata, out)[0]
+        if form is LaunchForm.KEY_RANGES:
+            metadata = builder.build_metadata(common, tile=tile, keys_per_split=_PROBE_RANGE_KEYS)
+        else:
+            splits = 1 if form is LaunchForm.UNSPLIT else 2
+            metadata = builder.build_metadata(common, tile=tile, num_splits=splits)
+        return impl.plan(query, cache, metadata, out)[0]
+
+    def _compile(self, tile: TileConfig, form: LaunchForm) -> KernelFit | None:
+        attention = self.probe_launch(tile, form)
         try:
             return compiled_fit(attention, self.device)
         except OutOfResources:  # more shared memory than an SM has: no program fits

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from pagedkv.backend import AttentionBackend
-from pagedkv.bench.workloads import DTYPES, Workload
+from pagedkv.bench.workloads import Workload
 from pagedkv.intmath import cdiv
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
@@ -44,14 +44,7 @@ class BenchProblem:
 
 def build_problem(workload: Workload, device: str, seed: int = 0) -> BenchProblem:
     layer = workload.layer
-    spec = AttentionSpec(
-        num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads,
-        head_size=layer.head_size,
-        dtype=DTYPES[layer.dtype],
-        block_size=layer.block_size,
-        kv_cache_dtype=layer.kv_cache_dtype,
-    )
+    spec = layer.spec()
     gen = torch.Generator(device=device).manual_seed(seed)
     needed = [cdiv(s, layer.block_size) for s in workload.seq_lens]
     num_blocks = 1 + sum(needed)  # block 0 is the null block

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from pagedkv.spec import AttentionSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -25,6 +26,16 @@ class Layer:
     block_size: int = 16
     dtype: str = "bf16"
     kv_cache_dtype: str = "auto"
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=DTYPES[self.dtype],
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
 
     def describe(self) -> str:
         cache = "" if self.kv_cache_dtype == "auto" else f" {self.kv_cache_dtype}"

@@ -115,6 +115,7 @@ class SplitPolicy:
         max_splits: int | None = None,
         copies: int = 1,
         split_slots: int | None = None,
+        range_slots: int | None = None,
         key_ranges: bool = False,
         listed: bool = False,
         max_programs: int | None = None,
@@ -124,7 +125,10 @@ class SplitPolicy:
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
         heads; each entry stands for ``copies`` programs, e.g. one per KV head), on a GPU
         that runs ``slots`` programs at once (``split_slots`` of a split launch, whose
-        kernel may hold more or fewer programs per SM; default ``slots``).
+        kernel may hold more or fewer programs per SM; default ``slots``; ``range_slots``
+        of a launch of fixed key ranges, default ``split_slots``). ``merge_keys_per_split``
+        is in the unit of the ``split_slots`` grid (``merge_keys_per_split()``), rescaled
+        for ``range_slots``.
 
         Split ``s`` cuts every program into ``s`` programs of ceil(keys / s) keys (in
         whole ``granule`` steps), each also paying ``overhead_keys`` (start-up, epilogue).
@@ -166,8 +170,11 @@ class SplitPolicy:
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
         even, even_time = self._even_shares(keys, slots, split_slots, even_limit, *costs)
         if key_ranges and limit > 1:
+            range_slots = range_slots or split_slots
+            range_costs = (granule, overhead_keys, merge_keys_per_split * split_slots / range_slots,
+                           copies)  # fmt: skip
             ranged, ranged_time = self._key_ranges(
-                keys, split_slots, limit, *costs, listed, max_programs, range_multiples
+                keys, range_slots, limit, *range_costs, listed, max_programs, range_multiples
             )
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
@@ -324,10 +331,11 @@ def _range_estimates(
     else:  # every sequence's programs up to the longest one's, the others empty
         programs = len(steps) * splits * copies
         work += (programs - pieces.sum(axis=1) * copies) * overhead_keys
-    estimate = _grid_time(
-        work, np.minimum(per_range, most) * granule + overhead_keys, programs,
-        np.full(len(per_range), max(1, slots)),
-    )  # fmt: skip
+    longest = np.minimum(per_range, most) * granule + overhead_keys
+    # not _grid_time's waves: every sequence's last range is shorter than the others, so
+    # programs end at scattered times and a wave boundary falls anywhere in the last one
+    tail = np.where(programs <= slots, 0.0, RANGE_TAIL_SHARE * longest)
+    estimate = np.maximum(work / max(1, slots) + tail, longest)
     estimate += splits * merge_keys_per_split
     return estimate, splits, programs
 
@@ -357,6 +365,13 @@ _SPLIT_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # decode workloads, docs/triton.md): 1.5 picks the fastest split count on 11 of them
 # and one within 0.4% on the 12th
 RAGGED_TAIL_SHARE = 1.5
+# The tail of a grid of fixed key ranges: this share of its longest program, the idle
+# expected where the last wave's programs end at scattered times. H200, the Triton
+# backend's ranges at 1-1.75x powers of two on 8 ragged and speculative rows
+# (benchmarks/triton_sweep.py --key-ranges, docs/triton.md): the ranges the estimate
+# ranks first ran within 1.054x of the fastest (mean 1.014x), where the waves' tail
+# (_grid_time: the thin last wave's idle share) gave 1.131x (mean 1.026x)
+RANGE_TAIL_SHARE = 0.5
 # Estimates within this fraction of the best are a tie, won by fewer splits (each split
 # adds partial results to write and merge, which the estimate only approximates)
 MAKESPAN_TIE = 0.05
