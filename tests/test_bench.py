@@ -53,19 +53,18 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
         assert row.host_us is None
 
 
-def test_host_share_is_eager_minus_the_graph_timed_as_eager_calls():
-    """``host`` subtracts the graph replayed with the L2 flushed before each replay (as
-    eager calls are timed); a row from a run without that figure falls back to the plain
-    graph's. The tables show both graph figures."""
+def test_host_share_is_eager_minus_graph():
+    """``host`` = eager - graph (the issue's measure of what a graph saves); the flushed
+    replay is its own column, not subtracted (a replay right after the flush is no
+    eager call: on the H200 it ran up to 45 us slower)."""
     from pagedkv.bench.report import HEADERS, row_cells
     from pagedkv.bench.runners import Row
 
     row = Row("w", "triton", eager_us=130.0, graph_us=110.0, graph_flushed_us=125.0)
-    assert row.host_us == pytest.approx(5.0)
+    assert row.host_us == pytest.approx(20.0)
     cells = dict(zip(HEADERS, row_cells(row), strict=True))
-    assert (cells["graph us"], cells["flushed us"], cells["host us"]) == ("110.0", "125.0", "5.0")
-    earlier = Row("w", "triton", eager_us=130.0, graph_us=110.0)
-    assert earlier.host_us == pytest.approx(20.0)
+    assert (cells["graph us"], cells["flushed us"], cells["host us"]) == ("110.0", "125.0", "20.0")
+    assert Row("w", "triton", eager_us=130.0).host_us is None
 
 
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):

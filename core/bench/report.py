@@ -59,7 +59,7 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `graph`: the same "
         "call replayed from a CUDA graph captured through `reserve_cuda_graph`; `flushed`: "
         "those replays with the L2 flushed before each, as eager calls); `host` = eager - "
-        "flushed; `launch` = the host's time to enqueue one eager call; `vs base` = the baseline's best time / this row's best time (> 1: faster); "
+        "graph; `launch` = the host's time to enqueue one eager call; `vs base` = the baseline's best time / this row's best time (> 1: faster); "
         "`max|diff|` against the torch backend (fp32 maths).",
     ]
     profiled = [r for r in rows if r.kernels]

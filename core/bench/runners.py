@@ -52,13 +52,13 @@ class Row:
 
     @property
     def host_us(self) -> float | None:
-        """The host's share of an eager call: eager minus the graph timed as eager calls
-        are (L2 flushed before each), or minus the plain graph figure where only that
-        was measured (earlier runs), which also gains what L2 kept between replays."""
-        graph = self.graph_flushed_us if self.graph_flushed_us is not None else self.graph_us
-        if self.eager_us is None or graph is None:
+        """Eager minus graph: what a CUDA graph saves per call (the host's work, plus
+        what L2 keeps between back-to-back replays). Not eager minus ``flushed``: on the
+        H200 a replay right after the flush ran up to 45 us slower than an eager call
+        after it (docs/benchmarks.md, twelfth session), so that difference is no host time."""
+        if self.eager_us is None or self.graph_us is None:
             return None
-        return self.eager_us - graph
+        return self.eager_us - self.graph_us
 
 
 def _bounds(problem: BenchProblem) -> GraphBounds:
