@@ -20,7 +20,13 @@ import pagedkv
 import pytest
 import torch
 from pagedkv import GraphBounds
-from pagedkv.backends.triton.configs import LayerShape, StepShape, TileConfig, plan_tiles
+from pagedkv.backends.triton.configs import (
+    SPILL_SLACK_BYTES,
+    LayerShape,
+    StepShape,
+    TileConfig,
+    plan_tiles,
+)
 from pagedkv.conformance import Scenario
 from pagedkv.conformance.problem import build_problem
 from pagedkv.toolkit.launch import KernelLaunch
@@ -268,8 +274,13 @@ def test_every_launched_variant_compiles_for_sm90():
         if "BLOCK_PER_REQUEST" in launch.kwargs and not launch.kwargs["RANGE_LIST"]
     }
     assert by_request == {False, True}, by_request
-    # register spills (known when ptxas ran, i.e. not served from Triton's cache)
-    spilled = [str(r) for r in results if r.spill_bytes]
+    # register spills (known when ptxas ran, i.e. not served from Triton's cache): none
+    # inside a loop, at most the rule's slack in all (a value parked for the whole kernel)
+    spilled = [
+        str(r)
+        for r in results
+        if r.spill_bytes and (r.spill_bytes > SPILL_SLACK_BYTES or r.loop_spills != 0)
+    ]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
 
 
@@ -309,3 +320,18 @@ def test_a_broken_kernel_is_reported():
     launch = (_tiny_dot_kernel, (torch.zeros(8, 8), torch.zeros(8, 8)), {})
     (result,) = compile_launches([launch], labels=["tiny-dot"])
     assert not result.ok and "tiny-dot: FAILED" in str(result)
+
+
+def test_a_spill_inside_a_loop_is_told_from_one_outside():
+    """The spill check reads the SASS: the unsplit decode variant's one parked value sits
+    outside every loop; squeezed to 96 registers, the same kernel spills inside them."""
+    scenario = BASE.replace(seq_lens=(1024,) * 4, query_lens=(1,) * 4)
+    tile = TileConfig(16, 64, 4, 2)
+    (attention, *_rest) = _launches(Variant("unsplit", scenario, tile=tile, num_splits=1))
+    assert attention.kwargs["BLOCK_PER_REQUEST"] and not attention.kwargs["SPLIT"]
+    squeezed = (attention.kernel, (), {**attention.kwargs, "maxnreg": 96})
+    parked, looped = compile_launches([attention, squeezed], labels=["parked", "squeezed"])
+    if parked.loop_spills is None:
+        pytest.skip("no cuobjdump beside Triton's ptxas (or the kernels came from the cache)")
+    assert parked.loop_spills == 0 and parked.spill_bytes <= SPILL_SLACK_BYTES, parked
+    assert looped.loop_spills > 0, looped

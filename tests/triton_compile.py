@@ -59,12 +59,17 @@ class CompileResult:
     spill_bytes: int | None = None  # spill stores
     # ptxas C7514: it runs every wgmma to completion (an accumulator read mid-flight)
     wgmma_serialized: bool | None = None
+    # local-memory loads and stores (spills) inside a loop of the SASS; None: unknown
+    # (no cuobjdump beside Triton's ptxas, or served from Triton's cache)
+    loop_spills: int | None = None
 
     def __str__(self) -> str:
         if not self.ok:
             return f"{self.label}: FAILED\n{self.error}"
         regs = "" if self.registers is None else f", {self.registers} registers"
         spills = f", {self.spill_bytes} B spilled" if self.spill_bytes else ""
+        if self.spill_bytes and self.loop_spills is not None:
+            spills += f" ({self.loop_spills} accesses in loops)"
         serial = ", wgmma serialized (C7514)" if self.wgmma_serialized else ""
         return f"{self.label}: ok, {self.shared} B shared, {self.num_warps} warps{regs}{spills}{serial}"
 
@@ -236,6 +241,7 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v
         compiled = triton.compile(source, target=target, options=options.__dict__)
     registers = re.findall(r"Used (\d+) registers", log.getvalue())
+    loop_spills = _loop_spills(compiled.asm["cubin"]) if registers else None
     spills = re.findall(r"(\d+) bytes spill stores", log.getvalue())
     return {
         "shared": int(compiled.metadata.shared),
@@ -244,7 +250,37 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
         "registers": max(map(int, registers)) if registers else None,
         "spill_bytes": max(map(int, spills)) if spills else None,
         "wgmma_serialized": ("C7514" in log.getvalue()) if registers else None,
+        "loop_spills": loop_spills,
     }
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def _loop_spills(cubin: bytes) -> int | None:
+    """Local-memory accesses (LDL/STL: spills) inside a loop of ``cubin``'s SASS, a loop
+    being the addresses from a backward branch's target to the branch. A spill outside
+    every loop costs one access per program; one inside costs one per iteration."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, ins in code:
+        target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    return sum(
+        1
+        for addr, ins in code
+        if re.search(r"\b(LDL|STL)\b", ins) and any(lo <= addr <= hi for lo, hi in loops)
+    )
 
 
 def _child() -> None:

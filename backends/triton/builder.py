@@ -438,8 +438,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         """The launch templates of one part: its requests' metadata tensors (``views``)
         and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
         work items of a range-list launch (``_range_list``); ``by_request``: every
-        request's queries fit one query block (a split launch, unlisted, then takes one
-        program per request)."""
+        request's queries fit one query block (an unlisted launch then takes one program
+        per request)."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -449,10 +449,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if not plan.split:
             acc = stat_max = stat_sum = unused
         t = plan.tile
-        # split launches only: an unsplit decode variant without the search compiles
-        # (sm_90, Triton 3.6) to a register target of 96-128 with a 4-byte spill, which
-        # the tile rule then rejects (benchmarks of the split ones: docs/triton.md)
-        by_request = by_request and range_list is None and plan.split
+        # (unsplit too: without the search the m16-n64 D 128 variant takes 128 registers,
+        # 4 programs per SM where the search's took 164, 3; its one spilled predicate is
+        # stored in the prologue and read in the epilogue, SPILL_SLACK_BYTES)
+        by_request = by_request and range_list is None
         if range_list is None:
             blocks = num_reqs if by_request else query_blocks
             grid, range_starts = (blocks, s.num_kv_heads, plan.num_splits), unused
