@@ -18,7 +18,7 @@ and lists the constants below that are measurements to repeat on a new GPU.
   blocks, and a mixed step takes whichever its work favours.
 - **Keys per step, warps, stages** (``choose_tile``): within explicit register and
   shared-memory limits (tests/test_triton_compile.py compiles the variants for sm_90
-  and fails on spills). A memory-bound program takes the smallest key tile that keeps
+  and fails on a spill inside a loop or past ``SPILL_SLACK_BYTES``). A memory-bound program takes the smallest key tile that keeps
   enough K/V bytes in flight per SM; a compute-bound one keeps its score tile small,
   since Triton does not overlap the softmax with the MMAs.
 - **Splits** (``makespan_splits``): the toolkit's makespan rule over the programs the
