@@ -123,6 +123,16 @@ def _variants() -> list[Variant]:
     for head in (80, 192):  # padded with masks
         out.append(Variant(f"decode-d{head}", BASE.replace(head_size=head)))
         out.append(Variant(f"prefill-d{head}", BASE.replace(head_size=head, **PREFILL)))
+    # tiles whose variants ptxas compiles near an occupancy step with a small spill, which
+    # the rule on a GPU (its compiled fits) accepts within SPILL_SLACK_BYTES: unsplit and
+    # split, the spill must stay outside the loops
+    for label, changes, tile_n in (("d192", dict(head_size=192), 32),
+                                   ("fp8", dict(kv_cache_dtype="fp8_e4m3"), 64)):  # fmt: skip
+        for splits in (1, 2):
+            out.append(
+                Variant(f"slack-{label}-n{tile_n}-s{splits}", BASE.replace(**changes),
+                        tile=TileConfig(16, tile_n, 4, 2), num_splits=splits)
+            )  # fmt: skip
     features = {
         "everything": dict(sliding_window=100, logits_soft_cap=30.0, alibi=True, use_sinks=True),
         "non-causal-window": dict(causal=False, sliding_window=100),
