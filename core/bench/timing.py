@@ -47,9 +47,11 @@ _FLUSH_BYTES = 256 << 20
 
 def time_graph_flushed_us(fn: Callable[[], Any], reps: int = 100) -> float | None:
     """Median per replay of ``fn`` captured in a CUDA graph, the L2 flushed before each
-    replay as ``time_us`` flushes it before each eager call: an eager call minus this is
-    the host's share of it (``time_graph_us`` replays back to back, with what the previous
-    replay left in L2). None, with the reason on stderr, when ``fn`` cannot be captured."""
+    replay as ``time_us`` flushes it before each eager call (``time_graph_us`` replays
+    back to back, with what the previous replay left in L2). Not the eager call's time
+    less the host's: on the H200 a triton graph queued right behind the flush ran up to
+    45 us slower than its eager call (docs/benchmarks.md, twelfth session). None, with
+    the reason on stderr, when ``fn`` cannot be captured."""
     try:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
