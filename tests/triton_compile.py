@@ -59,8 +59,8 @@ class CompileResult:
     spill_bytes: int | None = None  # spill stores
     # ptxas C7514: it runs every wgmma to completion (an accumulator read mid-flight)
     wgmma_serialized: bool | None = None
-    # local-memory loads and stores (spills) inside a loop of the SASS; None: unknown
-    # (no cuobjdump beside Triton's ptxas, or served from Triton's cache)
+    # local-memory loads and stores (spills) inside a loop of the SASS; None: no spill,
+    # or unknown (no cuobjdump beside Triton's ptxas, or served from Triton's cache)
     loop_spills: int | None = None
 
     def __str__(self) -> str:
@@ -241,8 +241,9 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v
         compiled = triton.compile(source, target=target, options=options.__dict__)
     registers = re.findall(r"Used (\d+) registers", log.getvalue())
-    loop_spills = _loop_spills(compiled.asm["cubin"]) if registers else None
     spills = re.findall(r"(\d+) bytes spill stores", log.getvalue())
+    # where the spills are (a disassembly per spilling variant only)
+    loop_spills = _loop_spills(compiled.asm["cubin"]) if any(map(int, spills)) else None
     return {
         "shared": int(compiled.metadata.shared),
         "num_warps": int(compiled.metadata.num_warps),

@@ -18,8 +18,8 @@ and lists the constants below that are measurements to repeat on a new GPU.
   blocks, and a mixed step takes whichever its work favours.
 - **Keys per step, warps, stages** (``choose_tile``): within explicit register and
   shared-memory limits (tests/test_triton_compile.py compiles the variants for sm_90
-  and fails on a spill inside a loop or past ``SPILL_SLACK_BYTES``). A memory-bound program takes the smallest key tile that keeps
-  enough K/V bytes in flight per SM; a compute-bound one keeps its score tile small,
+  and fails on a spill inside a loop or past ``SPILL_SLACK_BYTES``). A memory-bound
+  program takes the smallest key tile that keeps enough K/V bytes in flight per SM; a compute-bound one keeps its score tile small,
   since Triton does not overlap the softmax with the MMAs.
 - **Splits** (``makespan_splits``): the toolkit's makespan rule over the programs the
   chosen tile gives and the programs an SM holds of it: split until the waves are even
@@ -820,8 +820,9 @@ def makespan_splits(
         limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
     if max_splits is not None:
         limit = min(limit, max_splits)
+    key_ranges = key_ranges and layer.window is None
     keys, split_slots, range_slots, costs = _makespan_inputs(
-        layer, step, tile, block_q, num_sms, fit
+        layer, step, tile, block_q, num_sms, fit, key_ranges and limit > 1
     )
     return SPLIT_POLICY.choose_by_makespan(
         keys,
@@ -830,7 +831,7 @@ def makespan_splits(
         max_splits=limit,
         split_slots=split_slots,
         range_slots=range_slots,
-        key_ranges=key_ranges and layer.window is None,
+        key_ranges=key_ranges,
         # fixed key ranges launched as a list of the ranges that hold keys
         listed=listing and one_block_per_request(step, block_q),
         max_programs=max_items,
@@ -852,13 +853,12 @@ def key_range_estimates(
     --key-ranges records beside each measured range."""
     block_q = _block_q(layer, tile)
     keys, split_slots, range_slots, costs = _makespan_inputs(
-        layer, step, tile, block_q, num_sms, fit
+        layer, step, tile, block_q, num_sms, fit, True
     )
-    # (the merge's cost in the unit of the ranges' grid, as choose_by_makespan has it)
-    costs["merge_keys_per_split"] *= split_slots / range_slots
+    assert range_slots is not None
     return SPLIT_POLICY.key_range_estimates(
         keys, range_slots, keys_per_split, **costs,
-        listed=listing and one_block_per_request(step, block_q),
+        listed=listing and one_block_per_request(step, block_q), split_slots=split_slots,
     )  # fmt: skip
 
 
@@ -869,13 +869,17 @@ def _makespan_inputs(
     block_q: int,
     num_sms: int,
     fit: FitSource | None,
-) -> tuple[np.ndarray, int, int, dict[str, Any]]:
+    key_ranges: bool,
+) -> tuple[np.ndarray, int, int | None, dict[str, Any]]:
     """The makespan rule's view of a step with ``tile``: each program's keys, the slots
-    of a split launch in even shares and in fixed key ranges, and the costs (key step,
-    program overhead, merge, copies)."""
+    of a split launch in even shares and, where ``key_ranges`` are compared, in fixed key
+    ranges (else None: no probe of that variant), and the costs (key step, program
+    overhead, merge, copies)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     split_slots = slots_per_sm(layer, tile, LaunchForm.EVEN_SHARES, fit) * num_sms
-    range_slots = slots_per_sm(layer, tile, LaunchForm.KEY_RANGES, fit) * num_sms
+    range_slots = None
+    if key_ranges:
+        range_slots = slots_per_sm(layer, tile, LaunchForm.KEY_RANGES, fit) * num_sms
     costs = dict(
         granule=tile.tile_n,
         overhead_keys=PROGRAM_OVERHEAD_KEYS,

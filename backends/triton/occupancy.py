@@ -6,11 +6,11 @@ which tiles spill. The register estimate is fitted to unsplit launches and canno
 what ptxas does near its occupancy steps: at D 128 a split m16-n64 launch took 124
 registers (4 programs per SM) where the unsplit one with the request search took 164
 (3; 128 without it), and fp8 m16-n128, estimated at 460, compiles to 168-178 without a
-spill. So on a CUDA device
-the rule asks the compiled kernel: each (tile, launch form) variant it considers is
-compiled once per builder, for a tiny step planned and completed by this backend's own
-builder and impl (the variant is the launch's, constant for constant). Triton keeps it in
-its caches; the launch that runs it does not compile it again.
+spill. So on a CUDA device the rule asks the compiled kernel: each (tile, launch form)
+variant it considers is compiled once per builder, for a tiny step planned and completed
+by this backend's own builder and impl (the variant is the launch's, constant for
+constant). Triton keeps it in its caches; the launch that runs it does not compile it
+again.
 """
 
 from __future__ import annotations

@@ -171,11 +171,11 @@ class SplitPolicy:
         even, even_time = self._even_shares(keys, slots, split_slots, even_limit, *costs)
         if key_ranges and limit > 1:
             range_slots = range_slots or split_slots
-            range_costs = (granule, overhead_keys, merge_keys_per_split * split_slots / range_slots,
-                           copies)  # fmt: skip
+            merge = _merge_on(range_slots, merge_keys_per_split, split_slots)
             ranged, ranged_time = self._key_ranges(
-                keys, range_slots, limit, *range_costs, listed, max_programs, range_multiples
-            )
+                keys, range_slots, limit, granule, overhead_keys, merge, copies, listed,
+                max_programs, range_multiples,
+            )  # fmt: skip
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
         return even
@@ -281,17 +281,20 @@ class SplitPolicy:
         merge_keys_per_split: float = 0.0,
         copies: int = 1,
         listed: bool = False,
+        split_slots: int | None = None,
     ) -> np.ndarray:
         """``choose_by_makespan``'s estimate (in keys) of fixed key ranges of each of
-        ``keys_per_split`` keys (whole ``granule`` steps) on a split grid of ``slots``:
-        what a measurement of each range (benchmarks/triton_sweep.py --key-ranges) is
-        compared with to fit the estimate's constants."""
+        ``keys_per_split`` keys (whole ``granule`` steps) on a split grid of ``slots``
+        (``merge_keys_per_split`` in the unit of a grid of ``split_slots``, as there;
+        default ``slots``): what a measurement of each range
+        (benchmarks/triton_sweep.py --key-ranges) is compared with to fit the estimate's
+        constants."""
         steps = np.ceil(np.asarray(keys, dtype=np.float64) / granule)
         per_range = np.asarray(keys_per_split, dtype=np.float64) / granule
+        merge = _merge_on(slots, merge_keys_per_split, split_slots or slots)
         return _range_estimates(
-            steps, per_range, slots, granule, overhead_keys, merge_keys_per_split, copies,
-            listed,
-        )[0]  # fmt: skip
+            steps, per_range, slots, granule, overhead_keys, merge, copies, listed
+        )[0]
 
     @staticmethod
     def _choice(splits: int, max_seq_len: int, granule: int) -> SplitChoice:
@@ -307,6 +310,12 @@ def merge_keys_per_split(partial_bytes: int, slots: int, head_size: int, cache_b
     streams): it writes and reads ``partial_bytes`` (one split's partial results) once,
     in the time ``slots`` programs stream that many keys of K and V."""
     return 2 * partial_bytes / (slots * 2 * head_size * cache_bytes)
+
+
+def _merge_on(slots: int, merge_keys_per_split: float, merge_slots: int) -> float:
+    """``merge_keys_per_split`` given in the unit of a grid of ``merge_slots`` programs
+    (keys one of them streams meanwhile) in that of a grid of ``slots``."""
+    return merge_keys_per_split * merge_slots / slots
 
 
 def _range_estimates(
