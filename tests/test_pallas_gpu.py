@@ -134,16 +134,23 @@ def test_forward_has_no_host_round_trip_and_compiles_once():
     assert torch.equal(first, again)
 
 
-def test_torch_writes_are_ordered_before_the_kernel():
-    """A torch write on torch's stream, then forward at once: the kernel sees it."""
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_torch_writes_are_ordered_before_the_kernel(stream):
+    """A torch write on torch's current stream (the default one, or another made
+    current), then forward at once: the kernel sees it, and torch reads its result."""
     builder, impl, common, cache, query, (_, v) = _decode_step(num_reqs=4, context=64)
     metadata = builder.build(common)
     before = impl.forward(query, None, None, cache, metadata).clone()
-    for _ in range(3):  # queue work on torch's stream so a missing wait would show
-        cache.mul_(1.0)
-    v.mul_(2.0)  # every V doubles: so does the output
-    after = impl.forward(query, None, None, cache, metadata)
-    torch.testing.assert_close(after.float(), 2 * before.float(), atol=2e-2, rtol=1e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side if stream == "side" else torch.cuda.current_stream()):
+        for _ in range(3):  # queue work on torch's stream so a missing wait would show
+            cache.mul_(1.0)
+        v.mul_(2.0)  # every V doubles: so does the output
+        after = impl.forward(query, None, None, cache, metadata)
+        doubled = after.float() / 2  # read on the same stream, right after the forward
+    torch.cuda.synchronize()
+    torch.testing.assert_close(doubled, before.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_jax_leaves_the_gpu_memory_to_torch():

@@ -84,7 +84,7 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
             sinks,
             cfg=self._config(metadata),
         )
-        output.copy_(interop.to_torch(result))
+        output.copy_(interop.to_torch(result, output.device))
 
     def _head_params(self, device: jax.Device) -> tuple[jax.Array, jax.Array]:
         """ALiBi slopes and sink logits as [num_heads] float32 arrays on the device."""
