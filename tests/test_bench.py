@@ -46,6 +46,7 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
     rows, env = run_bench(["torch", "triton"], workloads, device="cpu", baseline=None,
                           progress=lambda _: None)  # fmt: skip
     assert env["copy_bandwidth"] > 0 and len(rows) == 2 * len(workloads)
+    assert 0 < env["host_floor_us"] < 10_000  # the host's own speed, measured in the run
     for row in rows:
         assert not row.error, row.error
         assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
@@ -76,7 +77,9 @@ def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     assert code == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["workload"] for r in data["rows"]] == ["tiny-decode", "tiny-spec"]
-    assert "copy bandwidth" in (tmp_path / "bench.md").read_text()
+    report = (tmp_path / "bench.md").read_text()
+    assert "copy bandwidth" in report and "us to enqueue a one-element torch op" in report
+    assert data["environment"]["host_floor_us"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert "tiny-spec" in capsys.readouterr().out
 

@@ -133,3 +133,36 @@ def test_both_crossings_view_the_same_memory(monkeypatch, fast):
         interop.to_jax(misaligned, "kv_cache")
     copied = interop.to_jax(misaligned, "query", allow_copy=True)
     assert copied.shape == (4, 16) and _pointer(copied) != misaligned.data_ptr()
+
+
+def test_the_handshake_event_is_reused_per_thread(monkeypatch):
+    """Each thread records and waits on its own event (reused across its crossings): a
+    shared one could be re-recorded by another thread between a record and its wait."""
+    import threading
+
+    made, waits = [], []
+
+    class Event:
+        def __init__(self):
+            made.append(self)
+
+        def record(self):
+            pass
+
+    class Stream:
+        def wait_event(self, event):
+            waits.append((threading.get_ident(), event))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    end = interop._Endpoint(jax.devices("cpu")[0], 2, 1, Stream())
+    for _ in range(3):
+        end.order_after_torch()
+    other = threading.Thread(target=lambda: [end.order_after_torch() for _ in range(2)])
+    other.start()
+    other.join()
+    assert len(made) == 2 and len(waits) == 5
+    by_thread: dict[int, set] = {}
+    for ident, event in waits:
+        by_thread.setdefault(ident, set()).add(id(event))
+    assert sorted(len(events) for events in by_thread.values()) == [1, 1]
+    assert len(set().union(*by_thread.values())) == 2

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -108,12 +109,17 @@ class _Endpoint:
     # CUDA: the stream JAX waits on for an imported buffer, and torch's handle on it
     jax_stream: int | None = None
     torch_view: torch.cuda.ExternalStream | None = None
+    # one event per thread, reused: a wait reads the event as it is when enqueued, and
+    # another thread's record cannot fall between this thread's record and wait
+    _ready: threading.local = field(default_factory=threading.local, compare=False)
 
     def order_after_torch(self) -> None:
         """JAX's import stream waits for torch's current stream, as torch's
-        ``__dlpack__(stream=...)`` makes it (an event per call: threads may cross at once)."""
+        ``__dlpack__(stream=...)`` makes it (without a new event per call)."""
         if self.torch_view is not None:
-            ready = torch.cuda.Event()
+            ready = getattr(self._ready, "event", None)
+            if ready is None:
+                ready = self._ready.event = torch.cuda.Event()
             ready.record()
             self.torch_view.wait_event(ready)
 

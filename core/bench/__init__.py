@@ -23,7 +23,7 @@ import torch
 from pagedkv.bench.problem import build_problem
 from pagedkv.bench.profile import describe_kernels
 from pagedkv.bench.runners import Row, reference_output, run_baseline, run_pagedkv
-from pagedkv.bench.timing import copy_bandwidth
+from pagedkv.bench.timing import copy_bandwidth, host_floor_us
 from pagedkv.bench.workloads import MATRICES, Workload
 from pagedkv.errors import ConfigError
 
@@ -47,7 +47,9 @@ def select_workloads(matrix: str, patterns: Sequence[str] = ()) -> list[Workload
     return chosen
 
 
-def environment(device: torch.device, copy_bw: float) -> dict[str, Any]:
+def environment(
+    device: torch.device, copy_bw: float, host_floor: float | None = None
+) -> dict[str, Any]:
     env: dict[str, Any] = {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -62,6 +64,7 @@ def environment(device: torch.device, copy_bw: float) -> dict[str, Any]:
         "command": " ".join(["pagedkv", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "copy_bandwidth": copy_bw,
+        "host_floor_us": host_floor,
     }
     for lib in ("triton", "flashinfer", "jax"):
         env[lib] = None
@@ -92,7 +95,7 @@ def run_bench(
     ``profile``: also run this many eager calls under the profiler (``Row.kernels``)."""
     device = torch.device(device)
     copy_bw = copy_bandwidth(device)
-    env = environment(device, copy_bw)
+    env = environment(device, copy_bw, host_floor_us(device))
     rows: list[Row] = []
     for i, workload in enumerate(workloads):
         problem = build_problem(workload, str(device), seed)

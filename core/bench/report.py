@@ -36,6 +36,14 @@ def row_cells(r: Row) -> list[str]:
     ]  # fmt: skip
 
 
+def host_floor(env: dict[str, Any]) -> str:
+    """The run's host speed in words (earlier runs' JSON has none)."""
+    floor = env.get("host_floor_us")
+    if floor is None:
+        return "not measured"
+    return f"{floor:.1f} us to enqueue a one-element torch op"
+
+
 def text_table(rows: list[Row]) -> str:
     return format_table(HEADERS, [row_cells(r) for r in rows])
 
@@ -45,7 +53,8 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "# pagedkv bench",
         "",
         f"{env.get('gpu') or env.get('device')}; copy bandwidth (read + write, measured in this "
-        f"run) {env['copy_bandwidth'] / 1e12:.3f} TB/s; torch {env['torch']}, triton "
+        f"run) {env['copy_bandwidth'] / 1e12:.3f} TB/s; host: {host_floor(env)}; torch "
+        f"{env['torch']}, triton "
         f"{env.get('triton')}, flashinfer {env.get('flashinfer')}; command `{env['command']}`",
         "",
         "| workload | step | layer |",

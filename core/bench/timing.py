@@ -96,6 +96,16 @@ def launch_us(fn: Callable[[], Any], device: torch.device, calls: int = 50) -> f
     return 1e6 * statistics.median(samples)
 
 
+def host_floor_us(device: torch.device) -> float:
+    """Host time to enqueue one trivial torch op (an in-place add on one element), as
+    ``launch_us`` times a row: the host's own speed, measured in the same run, so that
+    host-bound figures (``launch``, eager rows shorter than it) can be compared across
+    runs and machines. On the H200 hosts the triton backend's ``launch`` column moved
+    by up to 2x between sessions with nothing changed in its path."""
+    one = torch.zeros(1, device=device)
+    return launch_us(lambda: one.add_(1.0), device, calls=200)
+
+
 def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), measured now."""
     n = int(gib * (1 << 30)) if device.type == "cuda" else 1 << 26

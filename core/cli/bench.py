@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return merge(args)
     import torch
     from pagedkv.bench import run_bench, select_workloads
-    from pagedkv.bench.report import markdown, plot, text_table, write_json
+    from pagedkv.bench.report import host_floor, markdown, plot, text_table, write_json
     from pagedkv.errors import ConfigError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"\n{env.get('gpu') or env['device']}: copy bandwidth (read + write, measured now) "
-        f"{env['copy_bandwidth'] / 1e12:.3f} TB/s"
+        f"{env['copy_bandwidth'] / 1e12:.3f} TB/s; host: {host_floor(env)}"
     )
     print(text_table(rows))
     if args.json:
