@@ -133,6 +133,7 @@ def test_merge_compares_each_config_with_the_reference_of_its_own_run(tmp_path, 
         {"workload": "w1", "impl": "flashinfer", "eager_us": 90.0, "graph_us": 84.0, "pct_copy": 99.0},
         {"workload": "w2", "impl": "flashinfer", "eager_us": 60.0, "graph_us": None, "pct_copy": 30.0},
     ], device="gpu-b")  # fmt: skip
+    second["environment"]["host_floor_us"] = 4.25  # a later run's host speed; the first has none
     paths = []
     for i, run in enumerate((first, second)):
         paths.append(tmp_path / f"run{i}.json")
@@ -149,6 +150,7 @@ def test_merge_compares_each_config_with_the_reference_of_its_own_run(tmp_path, 
     # w2: triton's run had no flashinfer row: the latest run's, marked
     assert "| 50.0 / - (40%) | 1.20x* |" in lines["w2"]
     assert "gpu-a" in text and "gpu-b" in text
+    assert "host: not measured" in text and "host: 4.2 us to enqueue" in text
     assert "w2" in capsys.readouterr().out
     assert main(["bench", "--merge", str(tmp_path / "nope.json")]) != 0
     assert "nope.json: not a pagedkv bench --json file" in capsys.readouterr().err

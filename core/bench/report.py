@@ -103,7 +103,8 @@ def merged_matrix(
         env = run.get("environment", {})
         sources.append(
             f"{name}: {env.get('gpu') or env.get('device')}, torch {env.get('torch')}, "
-            f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; `{env.get('command')}`"
+            f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; host: "
+            f"{host_floor(env)}; `{env.get('command')}`"
         )
         for saved in run.get("rows", []):
             row = Row(**{k: saved[k] for k in row_fields if k in saved})
