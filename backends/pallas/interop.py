@@ -138,7 +138,13 @@ def _endpoint(device: torch.device) -> _Endpoint | None:
         found = _Endpoint(jax.devices("cpu")[0], _DL_CPU)
     elif device.type == "cuda" and device.index is not None and torch.version.hip is None:
         # (ROCm's DLPack numbers differ, and nothing here has run there: the public calls)
-        jax_device = next(d for d in jax.devices("gpu") if d.local_hardware_id == device.index)
+        gpus = jax.devices("gpu")
+        jax_device = next((d for d in gpus if d.local_hardware_id == device.index), None)
+        if jax_device is None:
+            raise ValueError(
+                f"{device}: JAX has no GPU of that index (its GPUs: "
+                f"{[d.local_hardware_id for d in gpus]})"
+            )
         stream = jax_device.get_stream_for_external_ready_events()
         found = _Endpoint(
             jax_device, _DL_CUDA, stream, torch.cuda.ExternalStream(stream, device=device)
@@ -166,8 +172,8 @@ def to_jax(tensor: torch.Tensor, name: str, *, allow_copy: bool = False) -> jax.
             f"shape {list(tensor.shape)} with strides {list(tensor.stride())}"
         )
     copy = None if allow_copy else False
+    end = _endpoint(tensor.device)
     try:
-        end = _endpoint(tensor.device)
         if end is None or _FAST_CALLS is None:
             return jax.dlpack.from_dlpack(tensor, copy=copy)
         end.order_after_torch()
