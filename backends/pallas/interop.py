@@ -174,10 +174,11 @@ def to_jax(tensor: torch.Tensor, name: str, *, allow_copy: bool = False) -> jax.
     copy = None if allow_copy else False
     end = _endpoint(tensor.device)
     try:
-        if end is None or _FAST_CALLS is None:
+        if end is None:
             return jax.dlpack.from_dlpack(tensor, copy=copy)
         end.order_after_torch()
         capsule = torch.utils.dlpack.to_dlpack(tensor)
+        assert _FAST_CALLS is not None  # (an endpoint is made only with them)
         return _FAST_CALLS[0](capsule, end.jax_device, end.jax_stream, copy, end.dl_device_type)
     except (BufferError, ValueError, RuntimeError) as exc:
         raise ValueError(
@@ -191,12 +192,13 @@ def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tens
     for JAX's work on it). ``device``: the torch device ``array`` is on, when the caller
     knows it (the fast crossing needs it)."""
     end = None if device is None else _endpoint(device)
-    if end is None or _FAST_CALLS is None:
+    if end is None:
         return torch.from_dlpack(array)
     stream = None
     if end.torch_view is not None:
         # DLPack's number for the legacy default stream is 1
         stream = torch.cuda.current_stream(device).cuda_stream or 1
+    assert _FAST_CALLS is not None
     return torch.utils.dlpack.from_dlpack(_FAST_CALLS[1](array, stream=stream))
 
 
