@@ -10,6 +10,7 @@ import pytest
 import torch
 from pagedkv.toolkit import dispatch
 from pagedkv.toolkit.dispatch import LaunchArgs, launch, launch_value, specialization
+from pagedkv.toolkit.interpreter import interpreting
 
 
 @dataclass
@@ -164,6 +165,11 @@ def test_specialization_is_never_coarser_than_tritons():
     assert specialization(t) != specialization(t.half()) != specialization(t[1:])
 
 
+@pytest.mark.skipif(
+    not interpreting(),
+    reason="plans a CPU step, which needs Triton's interpreter (a GPU host runs "
+    "test_triton_gpu's direct launches instead)",
+)
 def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
     """The triton backend's real launches (a mixed step: split decodes and a chunk, each
     an attention and a reduction): the second forward's direct launches pass, in the
@@ -238,3 +244,95 @@ def test_a_call_entry_is_the_specialization_and_the_launch_value(monkeypatch):
     for n in range(40):
         assert dispatch.call_entry(n)[0] == specialization(n)
     assert len(dispatch._INT_SPECS) <= 4
+
+
+class CudaLauncher:
+    """Triton's CUDA launcher as a variant's ``run``: ``__call__`` allocates the scratch
+    memory (none here) and passes everything on to the C entry point ``launch``."""
+
+    def __init__(self, global_scratch_size: int = 0) -> None:
+        self.global_scratch_size = global_scratch_size
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+        self.c_calls: list[tuple] = []
+        self.py_calls: list[tuple] = []
+
+    def launch(self, *args):
+        self.c_calls.append(args)
+
+    def __call__(self, g0, g1, g2, stream, function, *args):
+        self.py_calls.append((g0, g1, g2, stream, function, *args))
+
+
+class _HookChain:
+    """Triton 3.5+'s chain of launch hooks (passed to the launcher even when empty)."""
+
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+    def __call__(self, metadata):
+        for call in self.calls:
+            call(metadata)
+
+
+def _launched_twice(run, monkeypatch, enter=None, exit_=None):
+    """A kernel whose variant's ``run`` is ``run``, launched twice (dispatched, then direct)."""
+    kernel, x = _Kernel(), torch.zeros(8)
+    knobs = type("Knobs", (), {"launch_enter_hook": enter, "launch_exit_hook": exit_})()
+    monkeypatch.setattr(dispatch, "_runtime_knobs", lambda: knobs)
+    compiled = _Compiled()
+    compiled.run = run
+    compiled.launch_metadata = lambda grid, stream, *args: ("metadata", grid)
+    kernel.variants[(64, specialization(x), specialization(32))] = compiled
+    step, layer = LaunchArgs({"n": 32}), LaunchArgs({"BLOCK": 64})
+    for _ in range(2):
+        launch(kernel, (3,), (step, layer), {"X": x, "stride": 5})
+    return x
+
+
+def test_a_direct_launch_calls_tritons_c_launcher_with_what_its_wrapper_passes(monkeypatch):
+    """Triton's CUDA launcher with no scratch memory and no launch hook (or an empty chain
+    of them): the C entry point itself, with the arguments ``CudaLauncher.__call__``
+    would have given it (no scratch, no launch metadata, no hooks)."""
+    for hooks in ((None, None), (_HookChain(), _HookChain())):
+        run = CudaLauncher()
+        x = _launched_twice(run, monkeypatch, *hooks)
+        assert run.py_calls == []
+        assert run.c_calls == [
+            (3, 1, 1, 7, "fn", False, True, None, None, "meta", None, None, None,
+             x.data_ptr(), 32, 5, 64, 2.0),
+        ]  # fmt: skip
+
+
+def test_a_launch_hook_or_scratch_memory_takes_the_launchers_own_call(monkeypatch):
+    seen = []
+    hook = _HookChain(seen.append)
+    run = CudaLauncher()
+    x = _launched_twice(run, monkeypatch, enter=hook, exit_=_HookChain())
+    assert run.c_calls == []
+    (call,) = run.py_calls  # the hook's metadata built, the hooks passed on
+    assert call[:9] == (3, 1, 1, 7, "fn", "meta", ("metadata", (3, 1, 1)), hook, call[8])
+    assert call[9:] == (x.data_ptr(), 32, 5, 64, 2.0)
+    run = CudaLauncher(global_scratch_size=128)  # the wrapper allocates it
+    _launched_twice(run, monkeypatch)
+    assert run.c_calls == [] and len(run.py_calls) == 1
+    assert run.py_calls[0][5:9] == ("meta", None, None, None)
+
+
+def test_call_args_are_found_once_for_every_launch_that_takes_them():
+    kernel, x = _Kernel(), torch.zeros(8)
+    call = dispatch.CallArgs({"X": x, "stride": 5})
+    step, layer = LaunchArgs({"n": 32}), LaunchArgs({"BLOCK": 64})
+    for _ in range(3):
+        launch(kernel, (1,), (step, layer), call)
+    assert len(kernel.dispatched) == 1
+    (compiled,) = kernel.variants.values()
+    assert compiled.ran[-1][2] == (x.data_ptr(), 32, 5, 64, 2.0)
+    # a subset keeps each argument's specialisation and value, and keys like a fresh one
+    part = call.subset(("stride",))
+    fresh = dispatch.CallArgs({"stride": 5})
+    assert (part.names, part.specs, part.values, part.key) == (
+        fresh.names, fresh.specs, fresh.values, fresh.key,
+    )  # fmt: skip
+    assert dispatch.CallArgs({"X": x[1:], "stride": 5}).key != call.key

@@ -27,7 +27,7 @@ from pagedkv.backends.triton.gluon_plan import (
 )
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.dispatch import LaunchArgs
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
 
@@ -79,7 +79,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
 
     def _attend_overlapped(
         self,
-        launches: Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]],
+        launches: Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], CallArgs]],
         device: torch.device,
     ) -> None:
         """A two-part step (decodes and longer requests) with its parts on two streams:
@@ -88,24 +88,26 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         the SMs. The longer part goes first, on a stream of higher priority, so that its
         programs are placed first; the caller's stream waits for both (CUDA graphs
         capture the fork and the join)."""
-        # the current device's stream, where the kernels launch (Triton's dispatch too)
-        main = torch.cuda.current_stream()
         side_stream = _SIDE_STREAMS.get(device)
         if side_stream is None:  # one per device, for every layer and step
             side_stream = _SIDE_STREAMS[device] = _SideStream(device)
+        # the current device's stream, where the kernels launch (Triton's dispatch too)
+        main = side_stream.current()
         side, forked, joined = side_stream.stream, side_stream.forked, side_stream.joined
-        forked.record(main)
-        side.wait_event(forked)
+        # the events' own methods: torch.cuda.Event's wrappers only add a Python frame
+        record, wait = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait
+        record(forked, main)
+        wait(forked, side)
         decodes = []
         for part, template, layer, call in launches:
             if part == 1:  # the longer requests first, on the side stream (not made current)
                 template.run_with(*layer, call=call, stream=side)
             else:
                 decodes.append((template, layer, call))
-        joined.record(side)
+        record(joined, side)
         for template, layer, call in decodes:
             template.run_with(*layer, call=call)
-        main.wait_event(joined)
+        wait(joined, main)
 
     def plan(
         self,
@@ -120,7 +122,9 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             kwargs = dict(template.kwargs)
             for group in layer:
                 kwargs.update(group.values)
-            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **call}))
+            launches.append(
+                KernelLaunch(template.kernel, template.grid, {**kwargs, **call.mapping})
+            )
         return launches
 
     def _launches(
@@ -129,7 +133,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         kv_cache: torch.Tensor,
         metadata: TritonMetadata,
         output: torch.Tensor,
-    ) -> Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
+    ) -> Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], CallArgs]]:
         """One forward's launches: (the part's index, the step's template, the layer's
         arguments, the forward's own arguments)."""
         md = metadata
@@ -138,9 +142,10 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
                 f"metadata: planned for {md.layer.describe()}, but this layer is "
                 f"{self.layer.describe()} (build it with a builder for this layer's spec)"
             )
-        # the forward's own arguments, the same names in every kernel (strides checked)
-        attention_call = call_args(query, output)
-        reduce_call = {k: attention_call[k] for k in ("Out", "stride_ot", "stride_oh")}
+        # the forward's own arguments, the same names in every kernel (strides checked),
+        # specialised once for all of the forward's launches
+        attention_call = CallArgs(call_args(query, output))
+        reduce_call = None
         # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
         gluon_layer = None
         if any(part.gluon is not None for part in md.parts):
@@ -155,6 +160,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             attention, reduce = layer_args
             yield index, part.attention, (attention,), attention_call
             if part.reduce is not None:
+                if reduce_call is None:
+                    reduce_call = attention_call.subset(("Out", "stride_ot", "stride_oh"))
                 yield index, part.reduce, (reduce,), reduce_call
 
     # -- per layer, computed once -----------------------------------------------------
@@ -258,6 +265,21 @@ class _SideStream:
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device, priority=-1)
         self.forked, self.joined = torch.cuda.Event(), torch.cuda.Event()
+        # the callers' streams by torch's (id, device, type) triple: made once each, as
+        # ``torch.cuda.current_stream()`` makes a new Stream object at every call
+        self._callers: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+    def current(self) -> torch.cuda.Stream:
+        """The current device's current stream."""
+        found = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
+        stream = self._callers.get(found)
+        if stream is None:
+            if len(self._callers) >= 64:  # bounded: a caller may make streams per step
+                self._callers.clear()
+            stream = self._callers[found] = torch.cuda.Stream(
+                stream_id=found[0], device_index=found[1], device_type=found[2]
+            )
+        return stream
 
 
 _SIDE_STREAMS: dict[torch.device, _SideStream] = {}

@@ -23,7 +23,13 @@ call each tensor's ``data_ptr()`` and ask the driver whether the address is a de
 pointer (``cuPointerGetAttribute``), ~0.5 us per tensor argument, 10-20 us for a kernel
 of 30 tensors. The contract's forward checks that every tensor is on the query's device
 before a launch, which is what the driver's check caught. A launch's arguments are laid
-out once per (step, layer) pair of groups; a call fills in only its own.
+out once per (step, layer) pair of groups; a call fills in only its own, found once
+for all of a forward's launches (``CallArgs``).
+
+The launch itself goes to Triton's C launcher directly where its Python wrapper would
+only pass the arguments on (no scratch memory to allocate), and without the launch's
+metadata and hooks while no launch hook is installed: Triton 3.5+ builds the metadata
+and calls its (empty) chains of hooks at every launch.
 """
 
 from __future__ import annotations
@@ -195,7 +201,39 @@ class LaunchArgs:
         return found
 
 
-# compiled variants by (the shared groups' key, the call's names, the call's specialisation)
+class CallArgs:
+    """A call's own arguments (a forward's query, output and their strides) with each
+    one's specialisation and launch value, found once for every launch that takes them."""
+
+    __slots__ = ("key", "mapping", "names", "specs", "values")
+
+    def __init__(self, mapping: Mapping[str, Any]) -> None:
+        self.mapping = mapping
+        self.names = tuple(mapping)
+        self.specs, self.values = zip(*map(call_entry, mapping.values())) if mapping else ((), ())
+        self.key = _call_key(self.names, self.specs)
+
+    def subset(self, names: tuple[str, ...]) -> CallArgs:
+        """The arguments ``names`` (in that order), without finding them again."""
+        picked = object.__new__(CallArgs)
+        found = dict(zip(self.names, zip(self.specs, self.values)))
+        picked.mapping = {n: self.mapping[n] for n in names}
+        picked.names = names
+        picked.specs, picked.values = zip(*(found[n] for n in names)) if names else ((), ())
+        picked.key = _call_key(names, picked.specs)
+        return picked
+
+
+# calls' (names, specialisations), interned to small ints like the shared groups' keys
+# (a forward's launches then look their variants up by a few ints)
+_CALL_KEYS: dict[tuple, int] = {}
+
+
+def _call_key(names: tuple[str, ...], specs: tuple[Any, ...]) -> int:
+    return _CALL_KEYS.setdefault((names, specs), len(_CALL_KEYS))
+
+
+# compiled variants (``_Variant``) by (the shared groups' key, the call's key)
 _VARIANTS: dict[tuple, Any] = {}
 
 
@@ -203,35 +241,35 @@ def launch(
     kernel: Any,
     grid: Sequence[int],
     shared: Sequence[LaunchArgs],
-    call: Mapping[str, Any],
+    call: Mapping[str, Any] | CallArgs,
     stream: torch.cuda.Stream | None = None,
 ) -> Any:
     """``kernel[grid](**shared..., **call)``: through Triton's dispatch the first time a
     specialisation is seen, directly after that. ``call`` holds the non-constexpr
-    arguments that change from call to call. ``stream``: launch there instead of on the
-    current stream (without making it current: a direct launch takes its handle).
-    Returns Triton's handle on a dispatched call, None on a direct one."""
+    arguments that change from call to call (a ``CallArgs`` when several launches take
+    them). ``stream``: launch there instead of on the current stream (without making it
+    current: a direct launch takes its handle). Returns Triton's handle on a dispatched
+    call, None on a direct one."""
+    if not isinstance(call, CallArgs):
+        call = CallArgs(call)
     layout = _layout(kernel, shared)
     if layout is None:  # not a compiled kernel, or a shared value that cannot be keyed
-        return _dispatch(kernel, grid, shared, call, stream)
+        return _dispatch(kernel, grid, shared, call.mapping, stream)
     prefix, template, params = layout
-    names = tuple(call)
-    specs, values = zip(*map(call_entry, call.values())) if names else ((), ())
-    key = (prefix, names, specs)
-    compiled = _VARIANTS.get(key)
-    if compiled is None:
-        if any(s is _OPAQUE for s in specs) or any(n in params.constexprs for n in names):
-            return _dispatch(kernel, grid, shared, call, stream)
-        found = _dispatch(kernel, grid, shared, call, stream)
+    names = call.names
+    key = (prefix, call.key)
+    variant = _VARIANTS.get(key)
+    if variant is None:
+        if any(s is _OPAQUE for s in call.specs) or any(n in params.constexprs for n in names):
+            return _dispatch(kernel, grid, shared, call.mapping, stream)
+        found = _dispatch(kernel, grid, shared, call.mapping, stream)
         if all(hasattr(found, a) for a in ("run", "function", "packed_metadata")):
-            _VARIANTS[key] = found
+            _VARIANTS[key] = _Variant(found)
         return found
     args = template.copy()
-    for i, value in zip(params.positions(names), values):
+    for i, value in zip(params.positions(names), call.values):
         args[i] = value
-    _launch_compiled(
-        compiled, grid, args, current_stream() if stream is None else stream.cuda_stream
-    )
+    variant.launch(grid, args, current_stream() if stream is None else stream.cuda_stream)
     return None
 
 
@@ -290,6 +328,13 @@ def _runtime_knobs() -> Any:
     return knobs.runtime
 
 
+def _active(hook: Any) -> bool:
+    """Whether a launch hook would call anything: Triton 3.5+ passes a chain of hooks
+    (``HookChain``) to its launcher even when the chain is empty, and builds the
+    launch's metadata for it."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 @functools.cache
 def _stream_getters() -> tuple[Any, Any]:
     from triton.runtime.driver import driver
@@ -303,14 +348,50 @@ def current_stream() -> int:
     return get_stream(get_device())
 
 
-def _launch_compiled(compiled: Any, grid: Sequence[int], args: list[Any], stream: int) -> None:
-    """What Triton's dispatch ends with: the variant's launcher on ``stream``."""
-    g = (*grid, 1, 1)[:3]
-    hooks = _runtime_knobs()
-    enter = hooks.launch_enter_hook
-    # the launch's metadata is only for a hook (Triton's own returns None without one)
-    metadata = None if enter is None else compiled.launch_metadata(g, stream, *args)
-    compiled.run(
-        g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata,
-        enter, hooks.launch_exit_hook, *args,
-    )  # fmt: skip
+class _Variant:
+    """A compiled variant and how it is launched directly: what Triton's dispatch ends
+    with (the variant's ``run``), or, where that is Triton's CUDA launcher with no
+    scratch memory to allocate per launch, the launcher's C entry point with its fixed
+    arguments bound (``CudaLauncher.__call__`` would only pass them on). Without launch
+    hooks the launch's metadata (made only for a hook) is not built."""
+
+    __slots__ = ("c_launch", "compiled", "fixed")
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+        self.c_launch = None
+        self.fixed: tuple[Any, ...] = ()
+        run = compiled.run
+        if (
+            type(run).__name__ == "CudaLauncher"
+            and callable(getattr(run, "launch", None))
+            and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid")
+            and hasattr(run, "launch_pdl")
+        ):
+            self.c_launch = run.launch
+            # after the grid and stream: the function, cooperative grid, PDL, the global
+            # and profile scratch (none), the packed metadata, launch metadata and hooks
+            self.fixed = (
+                compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                compiled.packed_metadata, None, None, None,
+            )  # fmt: skip
+
+    def launch(self, grid: Sequence[int], args: list[Any], stream: int) -> None:
+        g = (*grid, 1, 1)[:3]
+        hooks = _runtime_knobs()
+        enter, exit_ = hooks.launch_enter_hook, hooks.launch_exit_hook
+        hooked = _active(enter) or _active(exit_)
+        if self.c_launch is not None and not hooked:
+            self.c_launch(g[0], g[1], g[2], stream, *self.fixed, *args)
+            return
+        compiled = self.compiled
+        # the launch's metadata is only for a hook (Triton's own returns None without one)
+        metadata = compiled.launch_metadata(g, stream, *args) if hooked else None
+        if not hooked:
+            enter = exit_ = None
+        compiled.run(
+            g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata,
+            enter, exit_, *args,
+        )  # fmt: skip

@@ -30,7 +30,10 @@ class KernelLaunch:
         return self.kernel[self.grid](**self.kwargs)
 
     def run_with(
-        self, *more: LaunchArgs, call: Mapping[str, Any], stream: torch.cuda.Stream | None = None
+        self,
+        *more: LaunchArgs,
+        call: Mapping[str, Any] | dispatch.CallArgs,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """This launch completed with ``more`` shared arguments (a layer's) and ``call``'s
         per-call ones (a forward's tensors and their strides), without Triton's per-call
