@@ -1025,6 +1025,35 @@ def test_prefill_steps_choose_the_gluon_kernel_where_it_runs():
         pagedkv.get_backend("triton", prefill_kernel="fast")
 
 
+def test_a_mixed_steps_chunk_takes_the_gluon_kernel_beside_its_decodes():
+    """A chunk the portable rule splits, whose Gluon programs would leave SMs idle, takes
+    the Gluon kernel unsplit in a two-part step when one program of it takes no longer
+    than the model's time for both parts (the decodes run on the idle SMs meanwhile):
+    a short context does, a 32k context over 64 or 256 queries does not (its programs
+    would run for 4-8 times the step), nor does any chunk when the parts do not overlap."""
+    spec = SPEC.replace(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16)
+
+    def step(context: int, queries: int) -> CommonAttentionMetadata:
+        seq_lens, query_lens = [8000] * 16 + [context], [1] * 16 + [queries]
+        blocks, first = [], 1
+        for n in seq_lens:
+            blocks.append(list(range(first, first + -(-n // 16))))
+            first += len(blocks[-1])
+        return CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
+
+    def chunk_kernel(overlap: bool, context: int, queries: int) -> str:
+        builder = pagedkv.get_backend("triton", overlap_parts=overlap).make_builder(spec, DEVICE)
+        builder.gluon_problem, builder.num_sms = None, 132  # as on an H200
+        part = builder.build(step(context, queries)).parts[1]
+        assert part.gluon is not None or part.plan.split  # the case of the rule
+        return "gluon" if part.gluon is not None else "portable"
+
+    assert chunk_kernel(True, 4096, 256) == "gluon"  # 72 programs on 132 SMs
+    assert chunk_kernel(True, 32768, 64) == "portable"
+    assert chunk_kernel(True, 32768, 256) == "portable"
+    assert chunk_kernel(False, 4096, 256) == "portable"
+
+
 @pytest.mark.parametrize(
     "query_lens, runs",
     [

@@ -34,6 +34,7 @@ from pagedkv.backends.triton.configs import (
     one_block_per_request,
     plan_step,
     plan_tiles,
+    portable_us,
     range_list_choice,
     reduce_tile,
     step_splits,
@@ -42,6 +43,7 @@ from pagedkv.backends.triton.configs import (
 from pagedkv.backends.triton.gluon_plan import (
     GluonPrefillStep,
     gluon_prefill_problem,
+    gluon_program_us,
     gluon_step_problem,
     plan_gluon_prefill,
 )
@@ -178,6 +180,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self.gluon_problem = "option prefill_kernel=portable"
         else:
             self.gluon_problem = gluon_prefill_problem(spec, self.device)
+        # a two-part step's parts run on two streams (the impl's option of that name)
+        self.overlap_parts = options.get("overlap_parts", True) is not False
         # stands in for the tensor arguments a launch never reads
         self._unused = torch.zeros(1, dtype=torch.float32, device=self.device)
 
@@ -419,10 +423,36 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
         if part.plan.split and (
             longest <= SPLIT_POLICY.max_query_len  # decode-like: keep its splits
-            or gluon.grid[0] * gluon.grid[1] < self.num_sms
+            or (
+                gluon.grid[0] * gluon.grid[1] < self.num_sms
+                and not (not whole and self._gluon_beside_decodes(step, part))
+            )
         ):
             return None
         return gluon
+
+    def _gluon_beside_decodes(self, step: StepShape, part: StepPart) -> bool:
+        """Whether a two-part step's longer requests take the Gluon kernel unsplit though
+        its programs leave SMs idle: the decodes' launch runs on those SMs meanwhile (the
+        impl overlaps the parts on two streams). Taken when one Gluon program (the
+        longest request's last query block, on its SM) takes no longer than the portable
+        kernel's model time for both parts, which would then share the whole GPU: on the
+        H200 the mixed 16+1 step's eager plan (its chunk split in 3) took 153 us back to
+        back where the graph plan (the chunk unsplit in Gluon) took 117
+        (docs/benchmarks.md, fourteenth session)."""
+        if not self.overlap_parts:
+            return False
+        longer = step.part(part.first, part.end)
+        decodes = (
+            step.part(0, part.first)
+            if part.first > 0
+            else step.part(part.end, len(step.query_lens))
+        )
+        keys = longer.max_seq_len
+        if self.layer.window is not None:
+            keys = min(keys, self.layer.window + longer.max_query_len)
+        alone = gluon_program_us(self.layer.head_size, keys, self.num_sms)
+        return alone <= portable_us(self.layer, decodes) + portable_us(self.layer, longer)
 
     def _part_launches(
         self,

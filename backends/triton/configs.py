@@ -296,6 +296,18 @@ def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, 
     return compute, memory
 
 
+def portable_us(layer: LayerShape, step: StepShape) -> float:
+    """The model's time for the portable kernel over ``step`` on the whole GPU, in us:
+    the larger of its compute and memory terms at the kernel's own rates (no split or
+    merge costs; a yardstick for comparing plans, not a prediction)."""
+    if not (step.query_lens > 0).any():
+        return 0.0
+    block_m, _ = choose_block_m(layer, step)
+    products = max(step_cost(layer, step, block_m))  # (row, key) products per KV head
+    flops = products * layer.num_kv_heads * 4 * layer.head_size  # QK^T and PV
+    return flops / (KERNEL_TFLOPS * 1e6)
+
+
 @functools.lru_cache(maxsize=1024)
 def block_m_candidates(layer: LayerShape) -> tuple[int, ...]:
     """Row counts a program may have: whole GQA groups, and a tile within the limits.

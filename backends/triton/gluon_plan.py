@@ -141,6 +141,17 @@ def gluon_step_problem(
     return None
 
 
+# The kernel's rate on the whole GPU (causal prefill 8 x 2048, bf16, H200: 623.6 us,
+# docs/benchmarks.md): a program holds an SM, so one program runs at this over the SMs.
+GLUON_TFLOPS = 441.0
+
+
+def gluon_program_us(head_size: int, keys: int, num_sms: int) -> float:
+    """The model's time for one program (``BLOCK_M`` rows over ``keys`` keys) on one SM."""
+    flops = BLOCK_M * keys * 4 * head_size  # QK^T and PV
+    return flops / (GLUON_TFLOPS * 1e6 / num_sms)
+
+
 def tiles_for(head_size: int) -> tuple[int, int]:
     """(keys per tile, ring slots) for a head size of ``HEAD_SIZES``."""
     return TILES[head_size]
