@@ -87,9 +87,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         the tensor cores busy (compute-bound), so each runs in what the other leaves of
         the SMs. The longer part goes first, on a stream of higher priority, so that its
         programs are placed first; the caller's stream waits for both (CUDA graphs
-        capture the fork and the join). Both parts' attention launches go before either
-        part's merge: an eager step's last launches wait for the host, and the decodes'
-        attention is the longer of what remains then."""
+        capture the fork and the join)."""
         side_stream = _SIDE_STREAMS.get(device)
         if side_stream is None:  # one per device, for every layer and step
             side_stream = _SIDE_STREAMS[device] = _SideStream(device)
@@ -100,19 +98,14 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         record, wait = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait
         record(forked, main)
         wait(forked, side)
-        longer, decodes = [], []
+        decodes = []
         for part, template, layer, call in launches:
-            (longer if part == 1 else decodes).append((template, layer, call))
-        # the longer requests on the side stream (not made current), the decodes on the
-        # caller's: attention, attention, then the merges
-        for template, layer, call in longer[:1]:
-            template.run_with(*layer, call=call, stream=side)
-        for template, layer, call in decodes[:1]:
-            template.run_with(*layer, call=call)
-        for template, layer, call in longer[1:]:
-            template.run_with(*layer, call=call, stream=side)
+            if part == 1:  # the longer requests first, on the side stream (not made current)
+                template.run_with(*layer, call=call, stream=side)
+            else:
+                decodes.append((template, layer, call))
         record(joined, side)
-        for template, layer, call in decodes[1:]:
+        for template, layer, call in decodes:
             template.run_with(*layer, call=call)
         wait(joined, main)
 
