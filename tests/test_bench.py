@@ -51,7 +51,7 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
         assert not row.error, row.error
         assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
         assert row.graph_us is None and row.graph_flushed_us is None  # no CUDA graphs here
-        assert row.host_us is None
+        assert row.host_us is None and row.steady_us is None  # back to back: a GPU's queue
 
 
 def test_host_share_is_eager_minus_graph():
@@ -61,10 +61,12 @@ def test_host_share_is_eager_minus_graph():
     from pagedkv.bench.report import HEADERS, row_cells
     from pagedkv.bench.runners import Row
 
-    row = Row("w", "triton", eager_us=130.0, graph_us=110.0, graph_flushed_us=125.0)
+    row = Row("w", "triton", eager_us=130.0, graph_us=110.0, graph_flushed_us=125.0,
+              steady_us=121.0)  # fmt: skip
     assert row.host_us == pytest.approx(20.0)
     cells = dict(zip(HEADERS, row_cells(row), strict=True))
     assert (cells["graph us"], cells["flushed us"], cells["host us"]) == ("110.0", "125.0", "20.0")
+    assert cells["steady us"] == "121.0"  # its own column, subtracted from nothing
     assert Row("w", "triton", eager_us=130.0).host_us is None
 
 

@@ -126,7 +126,11 @@ def run_bench(
                 f"(L2 flushed: {flushed}) {row.error}"
             )
             if row.launch_us is not None:
-                progress(f"      host time to enqueue one call: {row.launch_us:.1f} us")
+                steady = "-" if row.steady_us is None else f"{row.steady_us:.1f}"
+                progress(
+                    f"      host time to enqueue one call: {row.launch_us:.1f} us; back to "
+                    f"back: {steady} us a call"
+                )
             for line in describe_kernels(row.kernels):
                 progress(f"      {line}")
             if row.host_functions:

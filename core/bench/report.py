@@ -12,7 +12,7 @@ from pagedkv.bench.runners import Row
 from pagedkv.textutil import format_table
 
 HEADERS = [
-    "workload", "impl", "eager us", "graph us", "flushed us", "host us", "launch us", "write us", "GB/s", "%copy",
+    "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "write us", "GB/s", "%copy",
     "TFLOP/s", "vs base", "max|diff|", "config",
 ]  # fmt: skip
 
@@ -29,7 +29,7 @@ def row_cells(r: Row) -> list[str]:
         return [r.workload, r.impl, "ERROR", error, *[""] * (len(HEADERS) - 4)]
     config = " ".join(f"{k}={v}" for k, v in r.config.items() if k != "backend")
     return [
-        r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.graph_us, ".1f"),
+        r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.steady_us, ".1f"), _fmt(r.graph_us, ".1f"),
         _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _fmt(r.launch_us, ".1f"), _fmt(r.write_us, ".1f"), _fmt(r.gbps, ".0f"),
         _fmt(r.pct_copy, ".1f"), _fmt(r.tflops, ".1f"), _fmt(r.vs_baseline, ".2f"),
         _fmt(r.max_abs_diff, ".1e"), config,
@@ -65,7 +65,8 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "|" + "---|" * len(HEADERS),
         *("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |" for r in rows),
         "",
-        "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `graph`: the same "
+        "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `steady`: eager "
+        "calls back to back, no flush or sync (the longer of host and GPU work); `graph`: the same "
         "call replayed from a CUDA graph captured through `reserve_cuda_graph`; `flushed`: "
         "those replays with the L2 flushed before each, as eager calls); `host` = eager - "
         "graph; `launch` = the host's time to enqueue one eager call; `vs base` = the baseline's best time / this row's best time (> 1: faster); "

@@ -12,6 +12,7 @@ from pagedkv.bench.problem import BenchProblem, fill_cache
 from pagedkv.bench.profile import KernelProfile, KernelTime, host_functions
 from pagedkv.bench.timing import (
     launch_us,
+    steady_us,
     synchronize,
     time_graph_flushed_us,
     time_graph_us,
@@ -27,6 +28,8 @@ class Row:
     workload: str
     impl: str  # a pagedkv backend config, or "raw:<library>"
     eager_us: float | None = None
+    # GPU: eager calls back to back, no flush or sync (the longer of host and GPU work)
+    steady_us: float | None = None
     graph_us: float | None = None
     # the graph's replay with the L2 flushed before each, as eager calls are timed
     graph_flushed_us: float | None = None
@@ -77,6 +80,7 @@ def time_eager(row: Row, fn: Callable[[], Any], device: torch.device, profile: i
     row.eager_us = time_us(fn, device)
     if device.type == "cuda":
         row.launch_us = launch_us(fn, device)
+        row.steady_us = steady_us(fn, device)
     if profile > 0:
         with KernelProfile(device) as prof:
             for _ in range(profile):

@@ -96,6 +96,31 @@ def launch_us(fn: Callable[[], Any], device: torch.device, calls: int = 50) -> f
     return 1e6 * statistics.median(samples)
 
 
+def steady_us(fn: Callable[[], Any], device: torch.device, calls: int = 100) -> float | None:
+    """Per call, ``calls`` eager calls back to back, without an L2 flush or a sync between
+    them (CUDA events around them; the least of 3 runs): the longer of the host's enqueue
+    and the GPU's work. Beside ``graph`` (replays back to back) it tells an eager row's
+    extra time apart: steady near graph, the host (``launch`` then near steady); steady
+    above graph with ``launch`` below it, the eager plan's GPU work (on the H200 the
+    mixed 16+1 step took 153.5 us steady, 108.9 of launch, against a graph of 117.3:
+    its chunk's kernel differed, docs/benchmarks.md, fourteenth session). None off a GPU."""
+    if device.type != "cuda":
+        return None
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(3):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(1e3 * start.elapsed_time(end) / calls)
+    return min(runs)
+
+
 def host_floor_us(device: torch.device) -> float:
     """Host time to enqueue one trivial torch op (an in-place add on one element), as
     ``launch_us`` times a row: the host's own speed, measured in the same run, so that
