@@ -1,10 +1,12 @@
-"""`pagedkv bench` on the CPU: the tiny matrix through the contract, checked and reported."""
+"""`pagedkv bench` on the CPU (and its GPU timers where a GPU is): the tiny matrix through
+the contract, checked and reported."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from pagedkv.bench import MATRICES, run_bench, select_workloads
 from pagedkv.bench.workloads import long_tailed_contexts
 from pagedkv.cli import main
@@ -52,6 +54,21 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
         assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
         assert row.graph_us is None and row.graph_flushed_us is None  # no CUDA graphs here
         assert row.host_us is None and row.steady_us is None  # back to back: a GPU's queue
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="times CUDA graphs and back-to-back calls on a GPU"
+)
+def test_on_a_gpu_every_timing_column_is_measured():
+    """The tiny matrix through the triton backend on a GPU: eager, steady (back to back),
+    launch, graph and flushed replays, each a positive time."""
+    workloads = select_workloads("tiny", ["tiny-decode", "tiny-mixed"])
+    rows, _ = run_bench(["triton"], workloads, device="cuda", baseline=None,
+                        progress=lambda _: None)  # fmt: skip
+    for row in rows:
+        assert not row.error, row.error
+        for name in ("eager_us", "steady_us", "launch_us", "graph_us", "graph_flushed_us"):
+            assert getattr(row, name) > 0, (row.workload, name)
 
 
 def test_host_share_is_eager_minus_graph():
