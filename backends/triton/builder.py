@@ -425,7 +425,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             longest <= SPLIT_POLICY.max_query_len  # decode-like: keep its splits
             or (
                 gluon.grid[0] * gluon.grid[1] < self.num_sms
-                and not (not whole and self._gluon_beside_decodes(step, part))
+                and (whole or not self._gluon_beside_decodes(step, part))
             )
         ):
             return None
@@ -448,10 +448,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             if part.first > 0
             else step.part(part.end, len(step.query_lens))
         )
-        keys = longer.max_seq_len
-        if self.layer.window is not None:
-            keys = min(keys, self.layer.window + longer.max_query_len)
-        alone = gluon_program_us(self.layer.head_size, keys, self.num_sms)
+        # (the Gluon kernel takes no sliding window: its last block reads every key)
+        alone = gluon_program_us(self.layer.head_size, longer.max_seq_len, self.num_sms)
         return alone <= portable_us(self.layer, decodes) + portable_us(self.layer, longer)
 
     def _part_launches(
