@@ -236,6 +236,20 @@ for section in "$@"; do
         --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png"
       tail -n 60 "$OUT/bench.log"
       ;;
+    bench-fp8)  # the fp8 rows against the flashinfer backend, FlashInfer's fp8 modules
+      # built alone first (in the fourteenth session its D 64 / D 256 builds took the call
+      # before the fp8 rows came)
+      MAX_JOBS=$(nproc) run fi-warm-fp8 $PY -m pagedkv.cli bench --backends flashinfer \
+        --baseline none --no-check --no-graph --workloads 'fp8-*'
+      run bench-fp8 $PY -m pagedkv.cli bench --backends triton,flashinfer --workloads 'fp8-*' \
+        --json "$OUT/bench-fp8.json" --markdown "$OUT/bench-fp8.md"
+      tail -n 20 "$OUT/bench-fp8.log"
+      ;;
+    chunk-sweep)  # a mixed step's chunk: Gluon beside the decodes or the portable split
+      # (the rule's data, docs/triton.md); CHUNK_SHAPES: the shapes
+      run chunk-sweep $PY benchmarks/mixed_chunk_sweep.py ${CHUNK_SHAPES:+--shapes "$CHUNK_SHAPES"}
+      tail -n 20 "$OUT/chunk-sweep.log"
+      ;;
     bench-mla)
       run bench-mla $PY benchmarks/mla.py --json "$OUT/mla.json"
       tail -n 30 "$OUT/bench-mla.log"
