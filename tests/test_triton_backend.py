@@ -1055,6 +1055,39 @@ def test_a_mixed_steps_chunk_takes_the_gluon_kernel_beside_its_decodes():
 
 
 @pytest.mark.parametrize(
+    "decodes, median, context, queries, head_size, gluon",
+    [
+        # the H200 A/B's shapes and the rule's picks there (eager us, portable split ->
+        # the pick; docs/results/bench-h200-fourteenth-gluon-beside-decodes.md)
+        (64, 1024, 2048, 256, 128, True),  # 159.0 -> 129.7
+        (128, 1024, 4096, 128, 128, True),  # 275.3 -> 239.0
+        (16, 2048, 8192, 128, 128, False),  # Gluon forced: 143.2 against 111.3
+        (16, 2048, 32768, 64, 128, False),  # Gluon forced: 418.3 against 173.8
+        (16, 2048, 16384, 256, 128, False),  # a miss: Gluon forced 236.3 against 273.3
+        (32, 2048, 4096, 256, 256, False),  # a miss: 198.2 against 207.3
+    ],
+)
+def test_the_gluon_beside_decodes_rule_on_the_h200s_measured_steps(
+    decodes, median, context, queries, head_size, gluon
+):
+    """The rule's picks on the steps the fourteenth session timed every plan of (132 SMs):
+    a change to its rates moves these, and should come with new measurements."""
+    from pagedkv.backends.triton.configs import StepPart, StepShape, TilePlan
+    from pagedkv.bench.workloads import Layer, mixed
+
+    # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
+    layer = Layer(dtype="fp16")
+    if head_size == 256:
+        layer = Layer(head_size=256, num_heads=16, num_kv_heads=4, dtype="fp16")
+    w = mixed("step", decodes, median, ((context, queries),), layer, seed=7)
+    builder = pagedkv.get_backend("triton").make_builder(layer.spec(), DEVICE)
+    builder.num_sms = 132
+    step = StepShape(np.array(w.query_lens), np.array(w.seq_lens))
+    chunk = StepPart(decodes, decodes + 1, TilePlan(None, 1, 2, True, 0, False))
+    assert builder._gluon_beside_decodes(step, chunk) is gluon
+
+
+@pytest.mark.parametrize(
     "query_lens, runs",
     [
         ((1, 1, 24, 0, 0), ((0, 2), (2, 5))),  # decodes, a chunk, padding after it
