@@ -332,7 +332,7 @@ def test_call_args_are_found_once_for_every_launch_that_takes_them():
     # a subset keeps each argument's specialisation and value, and keys like a fresh one
     part = call.subset(("stride",))
     fresh = dispatch.CallArgs({"stride": 5})
-    assert (part.names, part.specs, part.values, part.key) == (
-        fresh.names, fresh.specs, fresh.values, fresh.key,
+    assert (part.names, part.specs, part.values, part.key, dict(part.mapping)) == (
+        fresh.names, fresh.specs, fresh.values, fresh.key, dict(fresh.mapping),
     )  # fmt: skip
     assert dispatch.CallArgs({"X": x[1:], "stride": 5}).key != call.key

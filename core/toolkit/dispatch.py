@@ -205,28 +205,46 @@ class CallArgs:
     """A call's own arguments (a forward's query, output and their strides) with each
     one's specialisation and launch value, found once for every launch that takes them."""
 
-    __slots__ = ("key", "mapping", "names", "specs", "values")
+    __slots__ = ("_mapping", "_source", "key", "names", "specs", "values")
 
     def __init__(self, mapping: Mapping[str, Any]) -> None:
-        self.mapping = mapping
+        self._mapping: Mapping[str, Any] | None = mapping
+        self._source: Mapping[str, Any] | None = None
         self.names = tuple(mapping)
         self.specs, self.values = zip(*map(call_entry, mapping.values())) if mapping else ((), ())
         self.key = _call_key(self.names, self.specs)
 
+    @property
+    def mapping(self) -> Mapping[str, Any]:
+        """The arguments by name (Triton's dispatch takes them so), made when first asked
+        for: a forward's direct launches never need it."""
+        if self._mapping is None:
+            source = self._source
+            assert source is not None
+            self._mapping = {n: source[n] for n in self.names}
+        return self._mapping
+
     def subset(self, names: tuple[str, ...]) -> CallArgs:
         """The arguments ``names`` (in that order), without finding them again."""
+        found = _SUBSETS.get((self.key, names))
+        if found is None:
+            index = [self.names.index(n) for n in names]
+            key = _call_key(names, tuple(self.specs[i] for i in index))
+            found = _SUBSETS[(self.key, names)] = (index, key)
+        index, key = found
         picked = object.__new__(CallArgs)
-        found = dict(zip(self.names, zip(self.specs, self.values)))
-        picked.mapping = {n: self.mapping[n] for n in names}
-        picked.names = names
-        picked.specs, picked.values = zip(*(found[n] for n in names)) if names else ((), ())
-        picked.key = _call_key(names, picked.specs)
+        picked._mapping, picked._source = None, self.mapping
+        picked.names, picked.key = names, key
+        picked.specs = tuple(self.specs[i] for i in index)
+        picked.values = tuple(self.values[i] for i in index)
         return picked
 
 
 # calls' (names, specialisations), interned to small ints like the shared groups' keys
 # (a forward's launches then look their variants up by a few ints)
 _CALL_KEYS: dict[tuple, int] = {}
+# a subset's argument positions and key, by (the call's key, the subset's names)
+_SUBSETS: dict[tuple, tuple[list[int], int]] = {}
 
 
 def _call_key(names: tuple[str, ...], specs: tuple[Any, ...]) -> int:
