@@ -316,9 +316,12 @@ def _axis_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> li
     return out
 
 
-def _fp8_scenarios(base: Scenario) -> list[Scenario]:
-    """Both fp8 formats, with non-unit scales (MLA caches only K: its V is K's prefix)."""
-    return [
+def _fp8_scenarios(base: Scenario, backend: AttentionBackend) -> list[Scenario]:
+    """Both fp8 formats, with non-unit scales (MLA caches only K: its V is K's prefix),
+    and a bfloat16 layer over an fp8 cache where the base is another dtype: serving's
+    usual pair, which a kernel may convert by another path (the triton backend's
+    float16 rows)."""
+    out = [
         _mixed(
             base,
             kv_dtype.replace("_", "-"),
@@ -329,6 +332,20 @@ def _fp8_scenarios(base: Scenario) -> list[Scenario]:
         )
         for kv_dtype, (k_scale, v_scale) in _FP8.items()
     ]
+    if base.dtype != torch.bfloat16 and torch.bfloat16 in backend.capabilities.dtypes:
+        k_scale, v_scale = _FP8["fp8_e4m3"]
+        out.append(
+            _mixed(
+                base,
+                "fp8-e4m3-bfloat16",
+                {"fp8_kv", "dtype"},
+                kv_cache_dtype="fp8_e4m3",
+                dtype=torch.bfloat16,
+                k_scale=k_scale,
+                v_scale=1.0 if base.is_mla else v_scale,
+            )
+        )
+    return out
 
 
 def _many_blocks(base: Scenario) -> Scenario:
@@ -369,14 +386,14 @@ def _standard_scenarios(
         lv.alt_head_sizes,
     )
     out += [_mixed(base, f"head-size-{d}", {"head_size"}, head_size=d) for d in sizes]
-    out += _feature_scenarios(base, level)
+    out += _feature_scenarios(base, backend, level)
     out += _combinations(base, backend, device)
     if level == "full":
         out.append(_many_blocks(base))
     return out
 
 
-def _feature_scenarios(base: Scenario, level: str) -> list[Scenario]:
+def _feature_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> list[Scenario]:
     """One scenario per feature (tagged with it)."""
     b = base.block_size
     out = [
@@ -404,7 +421,7 @@ def _feature_scenarios(base: Scenario, level: str) -> list[Scenario]:
     out.append(_mixed(base, "alibi", {"alibi"}, alibi=True))
     out.append(_mixed(base, "sinks", {"sinks"}, use_sinks=True))
     out.append(_mixed(base, "non-causal", {"non_causal"}, causal=False))
-    out += _fp8_scenarios(base)
+    out += _fp8_scenarios(base, backend)
     if level == "full":
         out.append(
             _make(
@@ -501,7 +518,7 @@ def _mla_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> lis
     ]
     out += _axis_scenarios(base, backend, level)
     out.append(_mixed(base, "non-causal", {"non_causal"}, causal=False))
-    out += _fp8_scenarios(base)
+    out += _fp8_scenarios(base, backend)
     if level == "full":
         out.append(_many_blocks(base))
         if sizes_match(backend.capabilities.block_sizes, 64):

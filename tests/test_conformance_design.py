@@ -94,8 +94,9 @@ def test_full_has_large_pools_long_contexts_and_few_kernel_variants(full):
         assert highest == problem.num_blocks - 1  # requests sit at the end of the pool
     assert max(max(sc.seq_lens) for sc in full) >= 8192
     assert {64, 128, 256} <= {sc.head_size for sc in full}
-    # one kernel variant per (dtype, head size, features): keep it near a dozen
-    assert len(jit_combinations(full)) <= 14
+    # one kernel variant per (dtype, head size, features): keep it near a dozen (the
+    # fifteenth: a bfloat16 layer over an fp8 cache, serving's usual pair)
+    assert len(jit_combinations(full)) <= 15
 
 
 class _Restricted(TorchBackend):

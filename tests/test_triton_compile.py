@@ -81,6 +81,11 @@ def _layers() -> dict[str, tuple[Scenario, tuple[str, ...]]]:
         )
         fp32 = BASE.replace(head_size=d, dtype=torch.float32)
         out[f"d{d}-gqa4-fp32"] = (fp32, ("decode", "long-decode") if d == 128 else ("decode",))
+    # a bfloat16 query over an fp8 cache takes its own path (float16 rows: fp16_rows)
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        scenario = BASE.replace(dtype=torch.bfloat16, kv_cache_dtype=kv)
+        steps = ("decode", "prefill", "long-decode") if kv == "fp8_e4m3" else ("decode",)
+        out[f"d128-gqa4-{kv.replace('_', '-')}-bfloat16"] = (scenario, steps)
     fp32_fp8 = BASE.replace(dtype=torch.float32, kv_cache_dtype="fp8_e5m2")
     out["d128-gqa4-fp32-fp8"] = (fp32_fp8, ("decode",))
     for d, block in ((64, 32), (128, 32), (128, 64), (256, 64)):
@@ -127,7 +132,10 @@ def _variants() -> list[Variant]:
     # the rule on a GPU (its compiled fits) accepts within SPILL_SLACK_BYTES: unsplit and
     # split, the spill must stay outside the loops
     for label, changes, tile_n in (("d192", dict(head_size=192), 32),
-                                   ("fp8", dict(kv_cache_dtype="fp8_e4m3"), 64)):  # fmt: skip
+                                   ("fp8", dict(kv_cache_dtype="fp8_e4m3"), 64),
+                                   # the H200's fp8 decode tile (its compiled fit)
+                                   ("fp8-bfloat16", dict(kv_cache_dtype="fp8_e4m3",
+                                                         dtype=torch.bfloat16), 128)):  # fmt: skip
         for splits in (1, 2):
             out.append(
                 Variant(f"slack-{label}-n{tile_n}-s{splits}", BASE.replace(**changes),

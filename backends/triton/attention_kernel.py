@@ -80,6 +80,23 @@ def _tanh(x):
 
 
 @triton.jit
+def fp16_rows(q):
+    """bfloat16 query rows as float16, each scaled by a power of two that puts its largest
+    element in [2^14, 2^15) (a row of subnormals: 2^126): the rows (exact, but for
+    elements 2^28 below their row's largest) and each row's inverse scale, ``[BLOCK_M, 1]``. Over an fp8 cache the tiles
+    then convert to float16, one instruction per two elements on sm_90, where bfloat16
+    takes three (float16 first, then each element on its own): at 64 x 4096 that
+    conversion, not HBM, set the decode's time (docs/triton.md)."""
+    largest = tl.max(tl.abs(q.to(tl.float32)), 1)
+    exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased; 0: subnormal
+    # (at most 2^126, which a row of subnormals takes: exact, though below 2^14)
+    shift = tl.where(largest == 0, 0, tl.minimum(127 + 14 - exponent, 126))
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)  # 2^shift, exactly
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * up[:, None]).to(tl.float16), down[:, None]
+
+
+@triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, HEAD_PAD] fp32
     l_i,  # [BLOCK_M] fp32, softmax denominator
@@ -140,7 +157,8 @@ def _attend_tile(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-    # fp8 -> the query dtype is exact; the K/V scales are applied to scores / output
+    # fp8 -> the query dtype is exact (float16 for a bfloat16 query: ``fp16_rows``); the
+    # K/V scales are applied to scores / output
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
@@ -313,6 +331,9 @@ def unified_attention_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    if KCache.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        q, row_scale = fp16_rows(q)
+        qk_scale = qk_scale * row_scale  # [BLOCK_M, 1]: the scores' scale per row
 
     if USE_ALIBI:
         slope = tl.load(AlibiSlopes + head) * _LOG2E

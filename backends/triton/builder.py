@@ -449,7 +449,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             else step.part(part.end, len(step.query_lens))
         )
         # (the Gluon kernel takes no sliding window: its last block reads every key)
-        alone = gluon_program_us(self.layer.head_size, longer.max_seq_len, self.num_sms)
+        alone = gluon_program_us(self.layer.head_size, longer.max_seq_len)
         return alone <= portable_us(self.layer, decodes) + portable_us(self.layer, longer)
 
     def _part_launches(

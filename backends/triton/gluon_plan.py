@@ -141,15 +141,20 @@ def gluon_step_problem(
     return None
 
 
-# The kernel's rate on the whole GPU (causal prefill 8 x 2048, bf16, H200: 623.6 us,
-# docs/benchmarks.md): a program holds an SM, so one program runs at this over the SMs.
-GLUON_TFLOPS = 441.0
+# One program's rate on its SM over a long context (H200, bf16): a chunk of 64 queries
+# at 32k beside 16 decodes took 418-420 us on the Gluon kernel unsplit (fourteenth and
+# fifteenth sessions, benchmarks/mixed_chunk_sweep.py), its one program per (head, KV
+# head) 128 rows over 32832 keys, 2.15 GFLOP: 5.1 TFLOP/s. All but the last key block
+# are unmasked: the whole GPU's causal-prefill rate (441 TFLOP/s over 132 SMs, 3.3 per
+# SM, its half-masked diagonal blocks and its last wave included) undercounts such a
+# program by half.
+GLUON_SM_TFLOPS = 5.1
 
 
-def gluon_program_us(head_size: int, keys: int, num_sms: int) -> float:
+def gluon_program_us(head_size: int, keys: int) -> float:
     """The model's time for one program (``BLOCK_M`` rows over ``keys`` keys) on one SM."""
     flops = BLOCK_M * keys * 4 * head_size  # QK^T and PV
-    return flops / (GLUON_TFLOPS * 1e6 / num_sms)
+    return flops / (GLUON_SM_TFLOPS * 1e6)
 
 
 def tiles_for(head_size: int) -> tuple[int, int]:
