@@ -1072,8 +1072,8 @@ def test_a_mixed_steps_chunk_takes_the_gluon_kernel_beside_its_decodes():
         (16, 2048, 8192, 128, 128, False),  # Gluon forced: 143.2 against 111.3
         (16, 2048, 32768, 64, 128, False),  # Gluon forced: 418.3 against 173.8
         # the fourteenth session's two misses (it kept the split): the fifteenth session's
-        # per-SM rate, fitted on the 32k step above, takes them (236.1 -> 276.1 and
-        # 197.2 -> 207.8 measured again)
+        # per-SM rate, fitted on the 32k step above, takes them (measured again: Gluon
+        # 236.1 against the split's 276.1, and 197.2 against 207.8)
         (16, 2048, 16384, 256, 128, True),  # 273.3 -> 236.3
         (32, 2048, 4096, 256, 256, True),  # 207.3 -> 198.2
     ],

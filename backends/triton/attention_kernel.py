@@ -83,10 +83,11 @@ def _tanh(x):
 def fp16_rows(q):
     """bfloat16 query rows as float16, each scaled by a power of two that puts its largest
     element in [2^14, 2^15) (a row of subnormals: 2^126): the rows (exact, but for
-    elements 2^28 below their row's largest) and each row's inverse scale, ``[BLOCK_M, 1]``. Over an fp8 cache the tiles
-    then convert to float16, one instruction per two elements on sm_90, where bfloat16
-    takes three (float16 first, then each element on its own): at 64 x 4096 that
-    conversion, not HBM, set the decode's time (docs/triton.md)."""
+    elements 2^28 below their row's largest) and each row's inverse scale,
+    ``[BLOCK_M, 1]``. Over an fp8 cache the tiles then convert to float16, one
+    instruction per two elements on sm_90, where bfloat16 takes three (float16 first,
+    then each element on its own): at 64 x 4096 that conversion, not HBM, set the
+    decode's time (docs/triton.md)."""
     largest = tl.max(tl.abs(q.to(tl.float32)), 1)
     exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased; 0: subnormal
     # (at most 2^126, which a row of subnormals takes: exact, though below 2^14)
