@@ -333,18 +333,8 @@ def _fp8_scenarios(base: Scenario, backend: AttentionBackend) -> list[Scenario]:
         for kv_dtype, (k_scale, v_scale) in _FP8.items()
     ]
     if base.dtype != torch.bfloat16 and torch.bfloat16 in backend.capabilities.dtypes:
-        k_scale, v_scale = _FP8["fp8_e4m3"]
-        out.append(
-            _mixed(
-                base,
-                "fp8-e4m3-bfloat16",
-                {"fp8_kv", "dtype"},
-                kv_cache_dtype="fp8_e4m3",
-                dtype=torch.bfloat16,
-                k_scale=k_scale,
-                v_scale=1.0 if base.is_mla else v_scale,
-            )
-        )
+        e4m3 = out[0]  # (the first of _FP8)
+        out.append(_make(e4m3, "fp8-e4m3-bfloat16", {"fp8_kv", "dtype"}, dtype=torch.bfloat16))
     return out
 
 
