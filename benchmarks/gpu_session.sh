@@ -251,7 +251,7 @@ for section in "$@"; do
       tail -n 20 "$OUT/chunk-sweep.log"
       ;;
     bench-mla)
-      run bench-mla $PY benchmarks/mla.py --json "$OUT/mla.json"
+      run bench-mla $PY benchmarks/mla.py
       tail -n 30 "$OUT/bench-mla.log"
       ;;
     serving)  # SERVING_BACKENDS, SERVING_REQUESTS select

@@ -12,6 +12,7 @@ ways: eager ``forward_mla`` (metadata built once), its planned kernel launches a
     python benchmarks/mla.py                 # headline + a few decode shapes
     python benchmarks/mla.py --sweep         # tile/warps/stages/splits variants, one table
     python benchmarks/mla.py --batch 4 --context 32768 --heads 16
+    python benchmarks/mla.py --batch 256 --context 1024 --ragged   # lognormal lengths, mean 1024
 
 With ``$OUT`` set, results also go to ``$OUT/mla_bench.json`` and ``$OUT/mla_bench.txt``.
 The sweep prints the best variant as a ``CONFIGS`` line for backends/mla/configs.py.
@@ -43,19 +44,32 @@ class Shape:
     heads: int = 128
     page: int = 64
     dtype: str = "bfloat16"
+    ragged: bool = False  # long-tailed context lengths of mean ``context``
 
     def __str__(self) -> str:
-        return f"{self.batch}x{self.context} H{self.heads} page{self.page} {self.dtype}"
+        ragged = " ragged" if self.ragged else ""
+        return f"{self.batch}x{self.context}{ragged} H{self.heads} page{self.page} {self.dtype}"
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each request's context: ``context``, or (ragged) lognormal lengths (sigma 0.8,
+        a fixed seed) scaled to that mean, at least one page."""
+        if not self.ragged:
+            return [self.context] * self.batch
+        import numpy as np
+
+        draw = np.random.default_rng(self.batch).lognormal(0.0, 0.8, self.batch)
+        return [max(self.page, int(x)) for x in draw * self.context / draw.mean()]
 
     @property
     def flops(self) -> float:
         # scores over the whole latent row (L + R), values over its first L entries
-        return 2.0 * self.batch * self.heads * self.context * (LORA + ROPE + LORA)
+        return 2.0 * sum(self.seq_lens) * self.heads * (LORA + ROPE + LORA)
 
     @property
     def bytes(self) -> float:
         item = getattr(torch, self.dtype).itemsize
-        latent = self.batch * self.context * (LORA + ROPE) * item
+        latent = sum(self.seq_lens) * (LORA + ROPE) * item
         q_out = self.batch * self.heads * (LORA + ROPE + LORA) * item
         return float(latent + q_out)
 
@@ -79,7 +93,7 @@ class Problem:
 def make_problem(shape: Shape, seed: int = 0) -> Problem:
     dtype = getattr(torch, shape.dtype)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    pages = -(-shape.context // shape.page)
+    pages = -(-max(shape.seq_lens) // shape.page)  # the block table's width
     num_blocks = 1 + shape.batch * pages
     # random data: timing zeros flatters some kernels
     cache = torch.randn(
@@ -95,9 +109,12 @@ def make_problem(shape: Shape, seed: int = 0) -> Problem:
 
 def reference(p: Problem) -> torch.Tensor:
     """float32 attention of each request over its gathered latent, [B, H, L]."""
-    b, ctx = p.shape.batch, p.shape.context
-    latent = p.cache[p.block_table.long()].flatten(1, 2)[:, :ctx].float()  # [B, ctx, L+R]
+    b = p.shape.batch
+    latent = p.cache[p.block_table.long()].flatten(1, 2).float()  # [B, pages * page, L+R]
     scores = torch.bmm(p.query.float(), latent.transpose(1, 2)) * p.scale
+    lens = torch.tensor(p.shape.seq_lens, device=scores.device)
+    past = torch.arange(latent.shape[1], device=scores.device)[None, None, :] >= lens[:, None, None]
+    scores = scores.masked_fill(past, float("-inf"))
     return torch.bmm(torch.softmax(scores, dim=-1), latent[..., :LORA]).view(b, -1, LORA)
 
 
@@ -125,7 +142,7 @@ def _step(p: Problem, options: dict | None):
         qk_rope_head_dim=ROPE,
     )
     common = pagedkv.CommonAttentionMetadata.from_requests(
-        [s.context] * s.batch,
+        s.seq_lens,
         [1] * s.batch,
         p.block_table.cpu().tolist(),
         s.page,
@@ -212,18 +229,21 @@ def flashinfer_mla(p: Problem):
     except Exception as exc:  # not installed here: report, keep benchmarking ours
         return None, f"flashinfer unavailable: {type(exc).__name__}: {exc}"
     s = p.shape
-    pages = p.block_table.shape[1]
     workspace = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device="cuda")
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
     arange = torch.arange(s.batch + 1, dtype=torch.int32, device="cuda")
+    # each request's own pages (FlashInfer checks the counts against kv_len_arr)
+    used = [-(-n // s.page) for n in s.seq_lens]
+    kv_indptr = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
+    kv_indices = torch.cat([p.block_table[i, :n] for i, n in enumerate(used)]).contiguous()
     dtype = p.query.dtype
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         wrapper.plan(
             qo_indptr=arange,
-            kv_indptr=arange * pages,
-            kv_indices=p.block_table.flatten().contiguous(),
-            kv_len_arr=torch.full((s.batch,), s.context, dtype=torch.int32, device="cuda"),
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_len_arr=torch.tensor(s.seq_lens, dtype=torch.int32, device="cuda"),
             num_heads=s.heads,
             head_dim_ckv=LORA,
             head_dim_kpe=ROPE,
@@ -471,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--page", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument(
+        "--ragged", action="store_true", help="long-tailed context lengths of mean --context"
+    )
     parser.add_argument("--block-m", type=int, nargs="+", default=[64])
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--num-warps", type=int, nargs="+", default=[8])
@@ -483,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     custom = (
-        Shape(args.batch, args.context, args.heads, args.page, args.dtype) if args.batch else None
+        Shape(args.batch, args.context, args.heads, args.page, args.dtype, args.ragged)
+        if args.batch
+        else None
     )
     extra: dict = {"device": torch.cuda.get_device_name()}
     if args.sweep:

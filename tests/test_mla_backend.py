@@ -419,6 +419,29 @@ def test_decode_64x4096_on_an_h200_is_one_wave_without_splits():
         assert (choice.num_splits, choice.keys_per_split) == (64, 512)
 
 
+def test_a_forced_split_count_stops_where_its_partials_would_not_fit():
+    from pagedkv.backends.mla.builder import MLAMetadataBuilder
+    from pagedkv.backends.mla.configs import MAX_FORCED_PARTIAL_BYTES
+
+    spec = Scenario("x", (1,), (1,), kv_lora_rank=512, qk_rope_head_dim=64, num_heads=128,
+                    block_size=64, dtype=torch.bfloat16).spec()  # fmt: skip
+    builder = MLAMetadataBuilder(spec, "cpu", num_splits=3)
+    per_token = 128 * 3 * (512 + 1) * 4  # the partials of one token row at 3 splits
+
+    def step(query_lens):
+        seq_lens = [q + 100 for q in query_lens]
+        blocks = [list(range(1 + 64 * i, 1 + 64 * i + -(-n // 64))) for i, n in enumerate(seq_lens)]
+        common = pagedkv.CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 64)
+        return builder.build(common)
+
+    decode = step([1] * 200)  # 150 MiB of partials: split as asked
+    assert decode.num_splits == 3 and decode.mid_o.shape == (200, 128, 3, 512)
+    tokens = MAX_FORCED_PARTIAL_BYTES // per_token + 1  # just past the budget: two splits
+    assert step([tokens]).num_splits == 2
+    prefill = step([2000] * 120)  # 240k token rows (173 GiB at 3 splits): not split
+    assert prefill.num_splits == 1 and prefill.mid_o is None
+
+
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
 @pytest.mark.parametrize(
     ("itemsize", "l_pad", "r_pad"), [(2, 512, 64), (4, 512, 64), (2, 128, 32), (4, 64, 16)]

@@ -120,6 +120,17 @@ SCENARIOS = [
         "mla(num_splits=5)",
         Scenario("split-causal-mixed", seq_lens=(700, 130), query_lens=(70, 1), **BF16),
     ),
+    # a ragged batch of 200 requests split three ways: 1200 programs for 132 SMs, short
+    # requests' later splits without keys among them
+    (
+        "mla(num_splits=3)",
+        Scenario(
+            "many-programs-ragged-split",
+            seq_lens=tuple(1 + (97 * i * i + 13 * i) % 2500 for i in range(200)),
+            query_lens=(1,) * 200,
+            **BF16,
+        ),
+    ),
     # > 2**31 cache elements: block offsets need 64 bits
     (
         "mla",

@@ -39,7 +39,8 @@ class MLABackend(AttentionBackend):
     option_specs: ClassVar[dict[str, BackendOption]] = {
         "num_splits": BackendOption(
             None,
-            "split-KV programs per tile (default: fill the GPU, see configs.py)",
+            "split-KV programs per tile (default: fill the GPU, see configs.py); a step "
+            "whose partial outputs would pass configs.MAX_FORCED_PARTIAL_BYTES splits less",
             kind=int,
             minimum=1,
             maximum=SPLIT_POLICY.max_splits,

@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
-from pagedkv.backends.mla.configs import SPLIT_POLICY, KernelConfig, arch_of, choose_config, pad_dim
+from pagedkv.backends.mla.configs import (
+    MAX_FORCED_PARTIAL_BYTES,
+    SPLIT_POLICY,
+    KernelConfig,
+    arch_of,
+    choose_config,
+    pad_dim,
+)
 from pagedkv.backends.mla.plan import StepPlan, max_tiles, pad_tiles, plan_step, tile_table
 from pagedkv.errors import ConfigError
 from pagedkv.metadata import CommonAttentionMetadata
@@ -84,12 +91,17 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             tiles.copy_(torch.from_numpy(padded), non_blocking=True)
             max_seq_len = common.max_seq_len
             reduce_rows = common.num_tokens
+        forced = self.num_splits
+        if forced:
+            # partial outputs: [rows, H, splits, L] values and [rows, H, splits] sums
+            per_split = max(1, reduce_rows) * heads * (spec.kv_lora_rank + 1) * 4
+            forced = max(1, min(forced, MAX_FORCED_PARTIAL_BYTES // per_split))
         split = SPLIT_POLICY.choose(
             tiles.shape[1],
             common.max_query_len,
             max_seq_len,
             self.num_sms,
-            forced=self.num_splits,
+            forced=forced,
             granule=cfg.block_n,
         )
         mid_o = mid_lse = None

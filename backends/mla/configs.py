@@ -64,6 +64,13 @@ SPLIT_POLICY = SplitPolicy(
     max_splits=64,
 )
 
+# A forced split count (the num_splits option) holds while the step's float32 partial
+# outputs fit in this many bytes; a larger step splits less (a long prefill, not at
+# all). The rule above stays far below it (about 17 MiB at 128 heads: it splits only
+# steps of fewer tiles than SMs), but num_splits=3 on the prefill of 200 requests'
+# contexts (240k tokens, 128 heads) asked for 173 GiB.
+MAX_FORCED_PARTIAL_BYTES = 256 << 20
+
 # The Gluon sm_90 kernel (gluon_kernels.py): its tile shape is part of its design
 # (one warpgroup's wgmma M; latent tiles in pairs in a two-slot ring), not a tuning knob.
 GLUON_BLOCK_M = 64  # query rows per program: one warpgroup's wgmma M

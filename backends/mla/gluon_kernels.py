@@ -335,19 +335,23 @@ def _mla_attention_sm90(
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, t, row, n_iter > 0,
                        half, L)  # fmt: skip
 
-    # the query rows through registers (rows past the request's tokens are zero)
+    # the query rows through registers (rows past the request's tokens are zero), every
+    # load issued before the first store: loaded and stored 64 columns at a time, the
+    # barrier before each store kept the loads one after another, nine round trips to
+    # memory before the first score
     q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     q_rows = row0 + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, q_load))
-    q_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_load))
     q_tok = (q_start + q_rows // NUM_HEADS).to(gl.int64)
     q_head = q_rows % NUM_HEADS
-    q_mask = gl.expand_dims(q_rows // NUM_HEADS < q_len, 1) & gl.expand_dims(q_cols < 64, 0)
-    qn_ptr = QN + gl.expand_dims(q_tok * stride_qn_t + q_head * stride_qn_h, 1)
-    for c in gl.static_range(L // 64):
-        chunk = gl.load(qn_ptr + gl.expand_dims(c * 64 + q_cols, 0), mask=q_mask, other=0.0)
-        q_nope_s.slice(c * 64, 64, dim=1).store(chunk)
-    qp_ptr = QP + gl.expand_dims(q_tok * stride_qp_t + q_head * stride_qp_h, 1)
-    q_rope_s.store(gl.load(qp_ptr + gl.expand_dims(q_cols, 0), mask=q_mask, other=0.0))
+    q_live = gl.expand_dims(q_rows // NUM_HEADS < q_len, 1)
+    qn_cols = gl.expand_dims(gl.arange(0, L, layout=gl.SliceLayout(0, q_load)), 0)
+    qp_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, q_load)), 0)
+    qn_ptr = QN + gl.expand_dims(q_tok * stride_qn_t + q_head * stride_qn_h, 1) + qn_cols
+    qp_ptr = QP + gl.expand_dims(q_tok * stride_qp_t + q_head * stride_qp_h, 1) + qp_cols
+    q_nope = gl.load(qn_ptr, mask=q_live & (qn_cols < L), other=0.0)
+    q_pe = gl.load(qp_ptr, mask=q_live & (qp_cols < R), other=0.0)
+    q_nope_s.store(q_nope)
+    q_rope_s.store(q_pe)
     fence_async_shared()  # the wgmma (async proxy) reads what the threads stored
 
     a = (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, half_desc,
