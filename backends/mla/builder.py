@@ -21,7 +21,7 @@ from pagedkv.backends.mla.plan import StepPlan, max_tiles, pad_tiles, plan_step,
 from pagedkv.errors import ConfigError
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.toolkit.interpreter import interpreting
-from pagedkv.toolkit.split_kv import num_sms
+from pagedkv.toolkit.split_kv import num_sms, splits_within
 from pagedkv.transfer import to_device
 
 # KernelConfig fields a config string may set (declared as BackendOptions in backend.py)
@@ -94,8 +94,8 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         forced = self.num_splits
         if forced:
             # partial outputs: [rows, H, splits, L] values and [rows, H, splits] sums
-            per_split = max(1, reduce_rows) * heads * (spec.kv_lora_rank + 1) * 4
-            forced = max(1, min(forced, MAX_FORCED_PARTIAL_BYTES // per_split))
+            per_split = reduce_rows * heads * (spec.kv_lora_rank + 1) * 4
+            forced = min(forced, splits_within(MAX_FORCED_PARTIAL_BYTES, per_split))
         split = SPLIT_POLICY.choose(
             tiles.shape[1],
             common.max_query_len,

@@ -43,7 +43,7 @@ from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit
-from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split
+from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split, splits_within
 
 # -- the machine: what the unified kernel achieves (H200, docs/benchmarks.md) -----------
 # Not datasheet peaks: the kernel's own rates. Their ratio says how many (row, key)
@@ -711,7 +711,7 @@ def graph_split_limit(
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
     most = makespan_splits(layer, one, tile, block_q, num_sms, fit=fit).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
-    return max(1, min(most, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes)))
+    return min(most, splits_within(LONG_QUERY_SPLIT_BYTES, split_bytes))
 
 
 def step_splits(
@@ -829,7 +829,7 @@ def makespan_splits(
     elif bounded:
         limit = 1
     else:
-        limit = max(1, LONG_QUERY_SPLIT_BYTES // max(1, split_bytes))
+        limit = splits_within(LONG_QUERY_SPLIT_BYTES, split_bytes)
     if max_splits is not None:
         limit = min(limit, max_splits)
     key_ranges = key_ranges and layer.window is None

@@ -305,6 +305,12 @@ class SplitPolicy:
         return SplitChoice(cdiv(max_seq_len, keys), keys)
 
 
+def splits_within(budget_bytes: int, bytes_per_split: int) -> int:
+    """The most splits whose partial results (``bytes_per_split`` each) fit in
+    ``budget_bytes``; at least one (an unsplit step writes none)."""
+    return max(1, budget_bytes // max(1, bytes_per_split))
+
+
 def merge_keys_per_split(partial_bytes: int, slots: int, head_size: int, cache_bytes: int) -> float:
     """The reduction's cost per split in ``choose_by_makespan``'s unit (keys one program
     streams): it writes and reads ``partial_bytes`` (one split's partial results) once,
