@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from pagedkv.conformance.problem import build_problem
 from pagedkv.graph import GraphBounds
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_kv_write import plan_write_kv
-from triton_compile import compile_launches
+from triton_compile import SM90_MAX_SHARED, compile_launches
 
 pytest.importorskip("triton")
 
@@ -225,3 +226,27 @@ def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_dec
         assert attention.grid == (128, 1)
     # asking for the Triton kernel gives it with TMA loads
     assert attention.kwargs["USE_TMA"] and metadata.plan.kind == "tma"
+
+
+def test_the_timeline_probe_patches_the_kernel_and_compiles(tmp_path, monkeypatch):
+    """benchmarks/mla_timeline.py stamps a copy of the Gluon kernel at fixed anchors of
+    its source: every anchor must still be there, and the copy must compile for sm_90
+    (registers and shared memory as the kernel's, the stamps' stores beside them)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_timeline.py"
+    timeline = runpy.run_path(str(script), run_name="mla_timeline")
+    with pytest.raises(RuntimeError, match="occurs 0 times"):
+        timeline["stamped_source"]("no kernel here")
+    module = timeline["stamped_module"](str(tmp_path))
+    (launch,) = [lau for lau in _launches(VARIANTS[0]) if _name(lau) == "_mla_attention_sm90"]
+    programs = launch.grid[0] * launch.grid[1]
+    kwargs = dict(
+        launch.kwargs, Stamps=torch.zeros(programs * timeline["SLOTS"], dtype=torch.int64)
+    )
+    stamped = _portable(KernelLaunch(module._mla_attention_sm90, launch.grid, kwargs))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (result,) = compile_launches([stamped], labels=["stamped"])
+    assert result.ok, str(result)
+    assert result.shared <= SM90_MAX_SHARED and not result.wgmma_serialized
