@@ -25,7 +25,9 @@ split, and hand work back and forth like FlashMLA's sm_90 decode kernel:
   loaded itself. Q (72 KiB) + 2 tiles (144 KiB) + P (8 KiB) fill sm_90's 227 KiB;
 - a pair past the KV range's end (odd tile count) reads rows past the cache through
   TMA, which fills zeros, and masks them: no block-table entry past the request's
-  blocks is read.
+  blocks is read;
+- the output leaves through the ring (free once both warpgroups are done with it), read
+  back as 16-byte vectors so that each warp writes whole rows (``_store_rows``).
 
 It computes what ``_mla_attention`` does (the same tiles, split-KV partial outputs
 and log2-sum-exp for ``_mla_reduce``, causal limit per row; P0 is rounded to 16 bits
