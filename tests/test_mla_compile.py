@@ -233,8 +233,11 @@ def test_the_timeline_probe_patches_the_kernel_and_compiles(tmp_path, monkeypatc
     its source: every anchor must still be there, and the copy must compile for sm_90
     (registers and shared memory as the kernel's, the stamps' stores beside them)."""
     import runpy
+    import sys
     from pathlib import Path
 
+    monkeypatch.setattr(sys, "path", list(sys.path))  # stamped_module adds its folder
+    monkeypatch.setitem(sys.modules, "mla_timeline_kernel", None)  # removed afterwards
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_timeline.py"
     timeline = runpy.run_path(str(script), run_name="mla_timeline")
     with pytest.raises(RuntimeError, match="occurs 0 times"):
