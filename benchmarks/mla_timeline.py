@@ -33,18 +33,18 @@ import torch
 
 KERNEL_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "backends/mla/gluon_kernels.py"
 SLOTS = 32  # int64 per program: 16 of globaltimer (ns), then 16 of clock64
-# slot: what was stamped (warpgroup-specific points are 3 + 5 * WG, 4 + 2 * WG, 5 + 2 * WG)
+# slot: what was stamped (a warpgroup-specific point: its warpgroup 0 slot + step * WG)
 SMID, START, QUERY, FIRST_S0, LOOP0, END0, LOOP1, END1, FIRST_S1, TILES = range(10)
 
-_STAMP = """
+_STAMP = f"""
 @gluon.jit
 def _stamp(Stamps, prog, slot):
     t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                   is_pure=False, pack=1)
     c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
                                   is_pure=False, pack=1)
-    gl.store(Stamps + prog * 32 + slot, t)
-    gl.store(Stamps + prog * 32 + 16 + slot, c)
+    gl.store(Stamps + prog * {SLOTS} + slot, t)
+    gl.store(Stamps + prog * {SLOTS} + {SLOTS // 2} + slot, c)
 
 
 """
@@ -57,25 +57,26 @@ _PATCHES = [
      "qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps, prog) = a"),
     ("        s = warpgroup_mma_wait(0, deps=[s])\n",
      "        s = warpgroup_mma_wait(0, deps=[s])\n"
-     "        if i == 0:\n            _stamp(Stamps, prog, 3 + 5 * WG)\n"),
+     "        if i == 0:\n"
+     f"            _stamp(Stamps, prog, {FIRST_S0} + {FIRST_S1 - FIRST_S0} * WG)\n"),
     ("    # each warpgroup summed the probabilities of its own tiles\n",
-     "    _stamp(Stamps, prog, 4 + 2 * WG)\n"
+     f"    _stamp(Stamps, prog, {LOOP0} + {LOOP1 - LOOP0} * WG)\n"
      "    # each warpgroup summed the probabilities of its own tiles\n"),
     ("\n\n@gluon.jit\ndef _warpgroup0",
-     "\n    _stamp(Stamps, prog, 5 + 2 * WG)\n\n\n@gluon.jit\ndef _warpgroup0"),
+     f"\n    _stamp(Stamps, prog, {END0} + {END1 - END0} * WG)\n\n\n@gluon.jit\ndef _warpgroup0"),
     ("    oob_row,  # a cache row past the last one (TMA reads zeros there)\n",
      "    oob_row,  # a cache row past the last one (TMA reads zeros there)\n    Stamps,\n"),
     ("    split = gl.program_id(1)\n",
      "    split = gl.program_id(1)\n    prog = tile * gl.num_programs(1) + split\n"
-     "    _stamp(Stamps, prog, 1)\n"
-     "    gl.store(Stamps + prog * 32, gl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r', [],"
+     f"    _stamp(Stamps, prog, {START})\n"
+     f"    gl.store(Stamps + prog * {SLOTS} + {SMID}, gl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r', [],"
      " dtype=gl.int32, is_pure=True, pack=1).to(gl.int64))\n"),
     ("    table_row = BlockTable + req.to(gl.int64) * stride_bt\n",
      "    table_row = BlockTable + req.to(gl.int64) * stride_bt\n"
-     "    gl.store(Stamps + prog * 32 + 9, n_iter.to(gl.int64))\n"),
+     f"    gl.store(Stamps + prog * {SLOTS} + {TILES}, n_iter.to(gl.int64))\n"),
     ("    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored\n",
      "    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored\n"
-     "    _stamp(Stamps, prog, 2)\n"),
+     f"    _stamp(Stamps, prog, {QUERY})\n"),
     ("q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip",
      "q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps,"
      " prog)  # fmt: skip"),
@@ -118,7 +119,7 @@ def summarise(label: str, stamps: np.ndarray) -> str:
     st = stamps.astype(np.int64)
     sm, start, tiles = st[:, SMID], st[:, START], st[:, TILES]
     end = np.maximum(st[:, END0], st[:, END1])
-    clock = st[:, 16:]
+    clock = st[:, SLOTS // 2 :]
     c_end = np.maximum(clock[:, END0], clock[:, END1])
     ghz = float(np.median((c_end - clock[:, START]) / np.maximum(end - start, 1)))
 
