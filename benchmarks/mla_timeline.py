@@ -1,7 +1,7 @@
 """Where a program of the Gluon MLA kernel spends its time: a per-program timeline.
 
 A copy of ``backends/mla/gluon_kernels.py`` is stamped at six points of each program
-(``%globaltimer`` and ``%clock64``, plus ``%smid``): its start, the query stored in
+(``%globaltimer`` and ``%clock64``, plus ``%smid``): its start, the query landed in
 shared memory, each warpgroup's first scores (the first tile landed), each warpgroup's
 loop end and each one's end (its output stores issued). The copy runs the step the
 backend plans (``benchmarks/mla.py``'s problem) and the phases are summarised over the
@@ -53,8 +53,8 @@ def _stamp(Stamps, prog, slot):
 _PATCHES = [
     ("# shared-memory barriers between the two warpgroups\n",
      _STAMP + "# shared-memory barriers between the two warpgroups\n"),
-    ("qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h) = a",
-     "qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps, prog) = a"),
+    ("qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h) = a",
+     "qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps, prog) = a"),
     ("        s = warpgroup_mma_wait(0, deps=[s])\n",
      "        s = warpgroup_mma_wait(0, deps=[s])\n"
      "        if i == 0:\n"
@@ -66,19 +66,20 @@ _PATCHES = [
      f"\n    _stamp(Stamps, prog, {END0} + {END1 - END0} * WG)\n\n\n@gluon.jit\ndef _warpgroup0"),
     ("    oob_row,  # a cache row past the last one (TMA reads zeros there)\n",
      "    oob_row,  # a cache row past the last one (TMA reads zeros there)\n    Stamps,\n"),
-    ("    split = gl.program_id(1)\n",
-     "    split = gl.program_id(1)\n    prog = tile * gl.num_programs(1) + split\n"
+    ("    item = gl.program_id(0)\n",
+     "    item = gl.program_id(0)\n    prog = item\n"
      f"    _stamp(Stamps, prog, {START})\n"
      f"    gl.store(Stamps + prog * {SLOTS} + {SMID}, gl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r', [],"
      " dtype=gl.int32, is_pure=True, pack=1).to(gl.int64))\n"),
     ("    table_row = BlockTable + req.to(gl.int64) * stride_bt\n",
      "    table_row = BlockTable + req.to(gl.int64) * stride_bt\n"
      f"    gl.store(Stamps + prog * {SLOTS} + {TILES}, n_iter.to(gl.int64))\n"),
-    ("    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored\n",
-     "    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored\n"
-     f"    _stamp(Stamps, prog, {QUERY})\n"),
-    ("q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip",
-     "q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps,"
+    ("    mbarrier.wait(q_bar, 0, pred=n_iter > 0)\n",
+     "    mbarrier.wait(q_bar, 0, pred=n_iter > 0)\n"
+     "    if WG == 0:\n"
+     f"        _stamp(Stamps, prog, {QUERY})\n"),
+    ("q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip",
+     "q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps,"
      " prog)  # fmt: skip"),
 ]  # fmt: skip
 
@@ -128,7 +129,7 @@ def summarise(label: str, stamps: np.ndarray) -> str:
 
     phases = {
         "program": cycles(c_end - clock[:, START]),
-        "start -> query stored": cycles(clock[:, QUERY] - clock[:, START]),
+        "start -> query landed": cycles(clock[:, QUERY] - clock[:, START]),
         "query -> first scores (wg0)": cycles(clock[:, FIRST_S0] - clock[:, QUERY]),
         "query -> first scores (wg1)": cycles(clock[:, FIRST_S1] - clock[:, QUERY]),
         "query -> loop end (wg0)": cycles(clock[:, LOOP0] - clock[:, QUERY]),
@@ -172,7 +173,7 @@ def timeline(shape, kernel_module: ModuleType) -> str:
     attention, rest = launches[0], launches[1:]
     if attention.kernel.fn.__name__ != "_mla_attention_sm90":
         return f"{shape}: the backend plans {attention.kernel.fn.__name__}, not the Gluon kernel"
-    programs = attention.grid[0] * attention.grid[1]
+    programs = attention.grid[0]
     stamps = torch.zeros(programs * SLOTS, dtype=torch.int64, device="cuda")
     kwargs = dict(attention.kwargs, Stamps=stamps)
 

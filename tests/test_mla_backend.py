@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pagedkv
 import pytest
 import torch
 from pagedkv import AttentionSpec, UnsupportedError
 from pagedkv.backends.mla import MLABackend, absorb_query, mla_attention, up_project
 from pagedkv.backends.mla.configs import SPLIT_POLICY, choose_config
+from pagedkv.backends.mla.plan import tile_table
+from pagedkv.backends.mla.work import choose_ranges, tile_keys, work_list
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem, poison_cache, reference_output
 
@@ -94,6 +97,19 @@ CASES = [
             k_scale=2.0,
         ),
     ),
+    # the makespan rule cuts the long request into key ranges, the others write directly
+    (
+        "mla",
+        Scenario(
+            "ragged-ranges",
+            seq_lens=(1500, 9, 20, 12, 7),
+            query_lens=(1, 1, 2, 1, 3),
+            **SMALL,
+            num_padding_tokens=2,
+        ),
+    ),
+    # a causal chunk after a long context: every token's partials for each range
+    ("mla", Scenario("chunk-ranges", seq_lens=(1200, 5, 30), query_lens=(6, 1, 2), **SMALL)),
     (
         "mla",
         Scenario(
@@ -419,6 +435,50 @@ def test_decode_64x4096_on_an_h200_is_one_wave_without_splits():
         assert (choice.num_splits, choice.keys_per_split) == (64, 512)
 
 
+def _h200_ranges(seq_lens, heads=128):
+    seq = np.asarray(seq_lens)
+    q = np.ones_like(seq)
+    tiles = tile_table(q, heads, 64)
+    keys = tile_keys(tiles, q, seq, heads, 64, causal=False)
+    choice = choose_ranges(keys, 132, 64, len(seq) * heads * 513 * 4, 576 * 2)
+    return choice, work_list(tiles, q, seq, choice.keys_per_split, len(seq))
+
+
+@pytest.mark.parametrize(
+    ("batch", "context", "keys", "items"),
+    [(64, 4096, 4096, 128), (256, 1024, 1024, 512), (4, 32768, 2048, 128), (1, 32768, 512, 128)],
+)
+def test_uniform_decodes_on_an_h200_fill_one_wave_or_stay_whole(batch, context, keys, items):
+    # 128 heads: two 64-row tiles a request; one program per SM
+    choice, work = _h200_ranges([context] * batch)
+    assert choice.keys_per_split == keys and work.items.shape[1] == items
+
+
+def test_a_ragged_batch_cuts_only_its_long_requests():
+    seq = [1000] * 200 + [9000, 600]
+    choice, work = _h200_ranges(seq)
+    keys = choice.keys_per_split
+    assert 1000 <= keys < 9000 and work.num_splits == -(-9000 // keys)
+    ranges = work.token_ranges[0]
+    assert (ranges[:200] == 1).all() and ranges[200] == work.num_splits
+    assert work.num_partials == work.num_splits  # one token's slots
+    # every tile's ranges once, the full ranges first (longest first)
+    tiles = tile_table(np.ones(len(seq), dtype=np.int64), 128, 64)
+    listed = sorted(zip(*work.items.tolist()))
+    expected = sorted((r, row, s) for r, row in zip(*tiles.tolist()) for s in
+                      range(-(-seq[r] // keys) if seq[r] > keys else 1))  # fmt: skip
+    assert listed == expected
+    assert work.items[0, :2].tolist() == [200, 200] and work.items[2, :2].tolist() == [0, 0]
+
+
+def test_token_slots_follow_each_other_for_a_multi_token_request():
+    tiles = tile_table(np.array([3, 1]), 16, 64)
+    work = work_list(tiles, np.array([3, 1]), np.array([1000, 50]), 256, num_tokens=6)
+    ranges, first = work.token_ranges
+    assert ranges.tolist() == [4, 4, 4, 1, 1, 1]  # the padding tokens: nothing to merge
+    assert first.tolist()[:3] == [0, 4, 8] and work.num_partials == 12
+
+
 def test_a_forced_split_count_stops_where_its_partials_would_not_fit():
     from pagedkv.backends.mla.builder import MLAMetadataBuilder
     from pagedkv.backends.mla.configs import MAX_FORCED_PARTIAL_BYTES
@@ -435,7 +495,7 @@ def test_a_forced_split_count_stops_where_its_partials_would_not_fit():
         return builder.build(common)
 
     decode = step([1] * 200)  # 150 MiB of partials: split as asked
-    assert decode.num_splits == 3 and decode.mid_o.shape == (200, 128, 3, 512)
+    assert decode.num_splits == 3 and decode.mid_o.shape == (200 * 3, 128, 512)
     tokens = MAX_FORCED_PARTIAL_BYTES // per_token + 1  # just past the budget: two splits
     assert step([tokens]).num_splits == 2
     prefill = step([2000] * 120)  # 240k token rows (173 GiB at 3 splits): not split

@@ -218,12 +218,12 @@ def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_dec
         builder.config = dataclasses.replace(choose_config("sm90", 2, 512, 64), use_gluon=use_gluon)
         builder.num_sms, builder.capability = 132, (9, 0)
         metadata = builder.build(common)
-        assert tuple(metadata.tiles.shape) == (2, 128) and metadata.num_splits == 1
+        assert tuple(metadata.items.shape) == (3, 128) and metadata.num_splits == 1
         (attention,) = impl.plan_attention(
             q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone()
         )
         assert _name(attention) == kernel and attention.kwargs["ONE_SPLIT"]
-        assert attention.grid == (128, 1)
+        assert attention.grid == (128,)
     # asking for the Triton kernel gives it with TMA loads
     assert attention.kwargs["USE_TMA"] and metadata.plan.kind == "tma"
 
@@ -244,7 +244,7 @@ def test_the_timeline_probe_patches_the_kernel_and_compiles(tmp_path, monkeypatc
         timeline["stamped_source"]("no kernel here")
     module = timeline["stamped_module"](str(tmp_path))
     (launch,) = [lau for lau in _launches(VARIANTS[0]) if _name(lau) == "_mla_attention_sm90"]
-    programs = launch.grid[0] * launch.grid[1]
+    programs = launch.grid[0]
     kwargs = dict(
         launch.kwargs, Stamps=torch.zeros(programs * timeline["SLOTS"], dtype=torch.int64)
     )

@@ -16,7 +16,13 @@ from pagedkv.backends.mla.configs import choose_config, gluon_piece_width
 from pagedkv.conformance import Scenario
 
 pytest.importorskip("triton.experimental.gluon")
-from pagedkv.backends.mla.plan import GLUON, cache_problem, gluon_problem, layer_args
+from pagedkv.backends.mla.plan import (
+    GLUON,
+    cache_problem,
+    gluon_problem,
+    layer_args,
+    query_descriptor,
+)
 
 HOPPER = (9, 0)
 SM90 = choose_config("sm90", 2, 512, 64)
@@ -57,6 +63,8 @@ def test_applies_to_the_deepseek_shape_on_sm90_in_16_bit():
         (_spec(rope=32), HOPPER, "rope 64"),
         (_spec(block_size=16), HOPPER, "multiple of 64"),
         (_spec(block_size=96), HOPPER, "multiple of 64"),
+        (_spec(heads=48), HOPPER, "48 heads neither divide 64"),
+        (_spec(heads=96), HOPPER, "96 heads neither divide 64"),
     ],
 )
 def test_gluon_problem_names_why_not(spec, capability, reason):
@@ -88,6 +96,39 @@ def test_descriptors_cover_the_cache_rows():
     assert list(kv.block_shape) == [64, gluon_piece_width(512)]
     assert list(pe.block_shape) == [64, 64]
     assert args["oob_row"] == 8 * 64
+
+
+def test_head_counts_that_divide_64_or_are_its_multiples_apply():
+    for heads in (1, 2, 8, 16, 32, 64, 128, 256):
+        assert gluon_problem(_spec(heads=heads), SM90, 4096, HOPPER) is None
+
+
+@pytest.mark.parametrize(
+    ("heads", "box"), [(128, [1, 64, 64]), (64, [1, 64, 64]), (16, [4, 16, 64])]
+)
+def test_a_query_box_is_one_tiles_rows_token_major(heads, box):
+    # the absorbed query as absorb_query returns it: [H, T, L] seen as [T, H, L]
+    q_nope = torch.zeros(heads, 10, 512, dtype=torch.bfloat16).transpose(0, 1)
+    desc = query_descriptor(q_nope)
+    assert desc.base.data_ptr() == q_nope.data_ptr()  # no copy
+    assert list(desc.shape) == [10, heads, 512] and list(desc.strides) == [512, 10 * 512, 1]
+    assert list(desc.block_shape) == box
+    # q_pe as a slice of the concatenated query: its rows 576 apart, 64 wide
+    q_pe = torch.zeros(10, heads, 576, dtype=torch.bfloat16)[..., 512:]
+    pe = query_descriptor(q_pe)
+    assert pe.base.data_ptr() == q_pe.data_ptr() and list(pe.strides) == [heads * 576, 576, 1]
+    assert list(pe.block_shape) == box
+
+
+def test_a_query_tma_cannot_read_is_copied_first():
+    storage = torch.zeros(10 * 128 * 512 + 1, dtype=torch.bfloat16)
+    misaligned = storage[1:].view(10, 128, 512)
+    desc = query_descriptor(misaligned)
+    assert desc.base.data_ptr() % 16 == 0 and list(desc.strides) == [128 * 512, 512, 1]
+    assert torch.equal(desc.base, misaligned)
+    odd_rows = torch.zeros(10, 128, 516, dtype=torch.bfloat16)[..., :512]  # 1032-byte rows
+    desc = query_descriptor(odd_rows)
+    assert desc.base.is_contiguous() and torch.equal(desc.base, odd_rows)
 
 
 def _metadata(capability=HOPPER, **options):

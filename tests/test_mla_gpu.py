@@ -131,6 +131,27 @@ SCENARIOS = [
             **BF16,
         ),
     ),
+    # the makespan rule's key ranges: the long requests cut (one of 20000 keys into 10
+    # ranges, those past 2048 into 2), the others written directly
+    (
+        "mla",
+        Scenario(
+            "ragged-ranges",
+            seq_lens=(*(1 + (37 * i * i) % 3000 for i in range(100)), 20000),
+            query_lens=(1,) * 101,
+            **BF16,
+        ),
+    ),
+    # a chunk of 40 tokens beside decodes, the long ones cut into 1024-key ranges
+    (
+        "mla",
+        Scenario(
+            "mixed-ranges",
+            seq_lens=(*(1 + (37 * i * i) % 3000 for i in range(60)), 9000, 1800),
+            query_lens=(*(1,) * 61, 40),
+            **BF16,
+        ),
+    ),
     # > 2**31 cache elements: block offsets need 64 bits
     (
         "mla",
@@ -184,3 +205,27 @@ def test_the_gluon_kernel_runs_on_sm90_where_it_applies():
         q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone()
     )
     assert launch.kernel.fn.__name__ == "_mla_attention_sm90"
+
+
+def test_a_query_tma_cannot_read_gives_the_same_output():
+    """The Gluon kernel's query comes through TMA: a query part at an address or with
+    row strides TMA cannot read is copied first, and the output is the same."""
+    import pagedkv
+    from pagedkv.conformance.problem import build_problem
+
+    problem = build_problem(Scenario("x", (700, 90), (1, 3), **BF16), "cuda")
+    backend = pagedkv.select_backend("mla", problem.spec)
+    cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, "cuda")
+    metadata = backend.make_builder(problem.spec, "cuda").build(problem.common)
+    impl = backend.make_impl(problem.spec)
+    q = problem.query
+    torch.manual_seed(0)
+    cache.normal_()
+    expected = impl.forward_mla(q[..., :512], q[..., 512:], None, None, cache, metadata)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    shifted.copy_(q)  # 2 bytes past a 16-byte boundary
+    wide = torch.zeros(*q.shape[:2], 580, dtype=q.dtype, device=q.device)[..., :576]
+    wide.copy_(q)  # rows of 1160 bytes
+    for query in (shifted, wide):
+        out = impl.forward_mla(query[..., :512], query[..., 512:], None, None, cache, metadata)
+        assert torch.equal(out, expected)

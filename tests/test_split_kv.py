@@ -444,3 +444,19 @@ def test_key_ranges_between_powers_of_two():
                     slots,
                     choice,
                 )
+
+
+def test_merging_only_the_cut_programs_lets_a_ragged_batch_cut_its_long_ones():
+    """``merge_split_only``: a kernel that writes an uncut sequence's output itself pays
+    the reduction only for the programs the ranges cut, so a full ragged grid whose
+    merge would be dear for every row still cuts its one long request."""
+    policy = SplitPolicy(min_keys_per_split=256, max_splits=64)
+    keys = np.asarray([1024.0] * 255 + [16384.0])
+    base = dict(granule=64, overhead_keys=288, key_ranges=True, listed=True)
+    merge = 20000.0  # every row's partials, one split: dearer than the long request's excess
+    every = policy.choose_by_makespan(keys, 132, merge_keys_per_split=merge, **base)
+    cut = policy.choose_by_makespan(
+        keys, 132, merge_keys_per_split=merge, merge_split_only=True, **base
+    )
+    assert not every.fixed_ranges and every.num_splits == 1
+    assert cut.fixed_ranges and 1024 <= cut.keys_per_split < 16384  # the short ones uncut

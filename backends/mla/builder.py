@@ -17,7 +17,14 @@ from pagedkv.backends.mla.configs import (
     choose_config,
     pad_dim,
 )
-from pagedkv.backends.mla.plan import StepPlan, max_tiles, pad_tiles, plan_step, tile_table
+from pagedkv.backends.mla.plan import StepPlan, max_tiles, plan_step, tile_table
+from pagedkv.backends.mla.work import (
+    choose_ranges,
+    max_items,
+    pad_items,
+    tile_keys,
+    work_list,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.toolkit.interpreter import interpreting
@@ -35,11 +42,12 @@ class MLAMetadata(BackendMetadata):
     """One step, planned for the MLA kernels (shared by every layer of the step)."""
 
     config: KernelConfig
-    tiles: torch.Tensor  # [2, num_tiles] int32, device: request and first row of each tile
-    num_splits: int  # programs per tile along the KV range
-    kv_per_split: int  # KV positions per split, a multiple of config.block_n
-    mid_o: torch.Tensor | None  # [rows, H, num_splits, L] float32 (splits > 1)
-    mid_lse: torch.Tensor | None  # [rows, H, num_splits] float32 (splits > 1)
+    items: torch.Tensor  # [3, n] int32, device: request, first row and key range of each program
+    token_ranges: torch.Tensor  # [2, T] int32, device: each token's ranges, its first partial
+    num_splits: int  # the most key ranges of a request (1: every output written directly)
+    kv_per_split: int  # KV positions per range, a multiple of config.block_n
+    mid_o: torch.Tensor | None  # [partials, H, L] float32 (num_splits > 1)
+    mid_lse: torch.Tensor | None  # [partials, H] float32 (num_splits > 1)
     plan: StepPlan  # the attention launches but for each layer's tensors
     # eager steps with padding rows: output rows from here on are zeroed (None: none;
     # under a CUDA-graph reservation padding rows are left as they are)
@@ -47,8 +55,8 @@ class MLAMetadata(BackendMetadata):
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
-    """Chooses the tile configuration and the split count, lays out the tiles and plans
-    the launches (plan.py). ``capability`` and ``num_sms`` describe the device planned
+    """Chooses the tile configuration and the key ranges, lists the work items (work.py)
+    and plans the launches (plan.py). ``capability`` and ``num_sms`` describe the device planned
     for (the compile checks set them to an H200's)."""
 
     def __init__(self, spec, device, **options) -> None:
@@ -75,46 +83,65 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
                 f"mla: build() takes no overrides, got {', '.join(sorted(overrides))}"
             )
         spec, cfg, bounds = self.spec, self.config, self.graph_bounds
-        heads = spec.num_heads
+        heads, lora = spec.num_heads, spec.kv_lora_rank
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
-        tiles_np = tile_table(query_lens, heads, cfg.block_m)
+        seq_lens = common.seq_lens_cpu.numpy()
+        tiles = tile_table(query_lens, heads, cfg.block_m)
         if bounds is None:
-            tiles = to_device(tiles_np, self.device)
-            max_seq_len = int(common.seq_lens_cpu.numpy().max(initial=0))
+            num_tiles, max_seq_len = tiles.shape[1], int(seq_lens.max(initial=0))
             reduce_rows = common.num_actual_tokens
         else:
-            # a fixed launch geometry from the bounds alone: padded tiles, the split of
-            # the longest sequence the bounds allow, every token row reduced
-            num_tiles = max_tiles(bounds, heads, cfg.block_m)
-            padded = pad_tiles(tiles_np, num_tiles, pad_row=bounds.max_query_len * heads)
-            tiles = self.scratch("tiles", (2, num_tiles), torch.int32)
-            tiles.copy_(torch.from_numpy(padded), non_blocking=True)
-            max_seq_len = common.max_seq_len
+            # a fixed launch geometry from the bounds alone: the tiles and ranges of the
+            # longest sequence the bounds allow, every token row reduced
+            num_tiles, max_seq_len = max_tiles(bounds, heads, cfg.block_m), common.max_seq_len
             reduce_rows = common.num_tokens
+        # partials of every token row for one range: [H, L] values and [H] sums
+        per_split = reduce_rows * heads * (lora + 1) * 4
         forced = self.num_splits
         if forced:
-            # partial outputs: [rows, H, splits, L] values and [rows, H, splits] sums
-            per_split = reduce_rows * heads * (spec.kv_lora_rank + 1) * 4
             forced = min(forced, splits_within(MAX_FORCED_PARTIAL_BYTES, per_split))
-        split = SPLIT_POLICY.choose(
-            tiles.shape[1],
-            common.max_query_len,
-            max_seq_len,
-            self.num_sms,
-            forced=forced,
-            granule=cfg.block_n,
-        )
+        if bounds is None and not forced:
+            causal = spec.causal and common.max_query_len > 1
+            keys = tile_keys(tiles, query_lens, seq_lens, heads, cfg.block_m, causal)
+            latent_bytes = (lora + spec.qk_rope_head_dim) * spec.cache_dtype.itemsize
+            split = choose_ranges(keys, self.num_sms, cfg.block_n, per_split, latent_bytes)
+        else:
+            split = SPLIT_POLICY.choose(
+                num_tiles, common.max_query_len, max_seq_len, self.num_sms,
+                forced=forced, granule=cfg.block_n,
+            )  # fmt: skip
+        work = work_list(tiles, query_lens, seq_lens, split.keys_per_split, reduce_rows)
+        items, token_ranges = work.items, work.token_ranges
+        num_splits, num_partials = work.num_splits, work.num_partials
+        if bounds is None:
+            items, token_ranges = (
+                to_device(items, self.device),
+                to_device(token_ranges, self.device),
+            )
+        else:
+            # every step within the bounds: the grid of the most items, the kernels
+            # compiled for split steps once the bounds may split, partials for every row
+            num_splits = split.num_splits
+            num_partials = reduce_rows * num_splits if num_splits > 1 else 0
+            capacity = max_items(num_tiles, num_splits)
+            padded = pad_items(items, capacity, pad_row=bounds.max_query_len * heads)
+            items = self.scratch("items", (3, capacity), torch.int32)
+            items.copy_(torch.from_numpy(padded), non_blocking=True)
+            ranges = self.scratch("token_ranges", (2, reduce_rows), torch.int32)
+            ranges.copy_(torch.from_numpy(token_ranges), non_blocking=True)
+            token_ranges = ranges
         mid_o = mid_lse = None
-        if split.num_splits > 1:
-            shape = (reduce_rows, heads, split.num_splits)
-            mid_o = self.scratch("mid_o", (*shape, spec.kv_lora_rank), torch.float32)
-            mid_lse = self.scratch("mid_lse", shape, torch.float32)
+        if num_splits > 1:
+            mid_o = self.scratch("mid_o", (max(1, num_partials), heads, lora), torch.float32)
+            mid_lse = self.scratch("mid_lse", (max(1, num_partials), heads), torch.float32)
         plan = plan_step(
             spec,
             cfg,
             common,
-            tiles,
-            split,
+            items,
+            token_ranges,
+            num_splits,
+            split.keys_per_split,
             mid_o,
             mid_lse,
             reduce_rows=reduce_rows,
@@ -124,8 +151,9 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         return MLAMetadata(
             common=common,
             config=cfg,
-            tiles=tiles,
-            num_splits=split.num_splits,
+            items=items,
+            token_ranges=token_ranges,
+            num_splits=num_splits,
             kv_per_split=split.keys_per_split,
             mid_o=mid_o,
             mid_lse=mid_lse,

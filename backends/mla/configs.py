@@ -53,9 +53,10 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("interpret", 4, 0): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
 }
 
-# Split the KV range only while the grid is short of one program per SM, into enough
-# splits for one program per SM, never below 256 positions a split, at most 64 (any
-# query length: prefill tiles split too).
+# Splits of at least 256 positions, at most 64 (any query length: prefill tiles split
+# too). An eager step takes the makespan rule's ranges (work.choose_ranges); a CUDA-graph
+# reservation, sized from its bounds alone, splits only while the bounds' grid is short
+# of one program per SM, into enough splits for one program per SM.
 SPLIT_POLICY = SplitPolicy(
     max_query_len=None,
     split_below_programs_per_sm=1,
@@ -63,6 +64,12 @@ SPLIT_POLICY = SplitPolicy(
     min_keys_per_split=256,
     max_splits=64,
 )
+
+# What a program costs besides its tiles, in latent rows streamed (the makespan rule's
+# overhead): the Gluon kernel's timeline on the H200 (benchmarks/mla_timeline.py,
+# 256x1024) put a program's start to its first scores at 6.6 us and its epilogue at
+# 2.9 us, against 2.06 us a 64-row tile: about 4.5 tiles
+PROGRAM_OVERHEAD_KEYS = 288
 
 # A forced split count (the num_splits option) holds while the step's float32 partial
 # outputs fit in this many bytes; a larger step splits less (a long prefill, not at

@@ -42,7 +42,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -90,6 +89,27 @@ def _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, slot, row, pre
 
 
 @gluon.jit
+def _load_query(qn_desc, qp_desc, q_nope_s, q_rope_s, q_bar, tok, head0, pred,
+                L: gl.constexpr):  # fmt: skip
+    """TMA of the tile's query rows into shared memory, on ``q_bar``: from token ``tok``,
+    head ``head0``, a box of [tokens, heads] = [1, 64] (64 heads or more) or
+    [64 / heads, heads] (fewer), so that its rows are the tile's (token-major, as
+    ``TileRow0`` counts them). Rows past the query tensor's tokens come as zeros; rows of
+    the next request's tokens (a partial tile) are loaded but never stored."""
+    BOX_T: gl.constexpr = qn_desc.block_type.shape[0]
+    BOX_H: gl.constexpr = qn_desc.block_type.shape[1]
+    W: gl.constexpr = qn_desc.block_type.shape[2]
+    R: gl.constexpr = qp_desc.block_type.shape[2]
+    nbytes: gl.constexpr = (L // W) * qn_desc.block_type.nbytes + qp_desc.block_type.nbytes
+    mbarrier.expect(q_bar, nbytes, pred=pred)
+    for c in gl.static_range(L // W):
+        dst = q_nope_s.index(c).reshape([BOX_T, BOX_H, W])
+        tma.async_copy_global_to_shared(qn_desc, [tok, head0, c * W], q_bar, dst, pred=pred)
+    tma.async_copy_global_to_shared(qp_desc, [tok, head0, 0], q_bar,
+                                    q_rope_s.reshape([BOX_T, BOX_H, R]), pred=pred)  # fmt: skip
+
+
+@gluon.jit
 def _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, slot, phase, W: gl.constexpr,
                 HALF_IDX: gl.constexpr, FIRST: gl.constexpr, L: gl.constexpr):  # fmt: skip
     """Chain one half of S = Q·K^T (the right half with the rope part) into s as
@@ -98,7 +118,7 @@ def _score_half(s, q_nope_s, q_rope_s, kn, kr, load_bars, slot, phase, W: gl.con
         mbarrier.wait(load_bars.index((slot * 2 + HALF_IDX) * (L // 2 // W) + k), phase)
         for c in gl.static_range(W // 64):
             s = warpgroup_mma(
-                q_nope_s.slice(HALF_IDX * (L // 2) + k * W + c * 64, 64, dim=1),
+                q_nope_s.index((HALF_IDX * (L // 2) + k * W) // 64 + c),
                 kn.slice(HALF_IDX * (L // 2) + k * W + c * 64, 64, dim=1).permute((1, 0)),
                 s,
                 use_acc=(k > 0) or (c > 0) or not FIRST,
@@ -152,9 +172,9 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
                TILE_M: gl.constexpr, TILE_N: gl.constexpr, ONE_SPLIT: gl.constexpr,
                CAUSAL: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """The program of warpgroup WG (0 or 1); see the module doc for the schedule."""
-    (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, half_desc,
-     rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start, q_len,
-     qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h) = a  # fmt: skip
+    (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, q_bar,
+     half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start, q_len,
+     qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h) = a  # fmt: skip
     dtype: gl.constexpr = half_desc.dtype
     HALF: gl.constexpr = L // 2
     W: gl.constexpr = half_desc.block_type.shape[1]  # latent columns per TMA piece
@@ -174,6 +194,8 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
     l_i = gl.zeros([TILE_M], gl.float32, layout=row_s)
     o = gl.zeros([TILE_M, HALF], gl.float32, layout=o_layout)
     n_pairs = (n_iter + 1) // 2
+    # the query has landed (a program without keys loads none)
+    mbarrier.wait(q_bar, 0, pred=n_iter > 0)
     for i in range(n_pairs):
         ph = i & 1
         more = i + 1 < n_pairs
@@ -248,29 +270,35 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
     mbarrier.wait(sync_bars.index(_SUM + 1 - WG), 0)
     l_i = l_i + stats[3 - WG].load(row_s)
 
-    # -- output: final rows, or this split's normalised part and its log2-sum-exp ------
+    # -- output: final rows (a request of one range), or this range's normalised part and
+    # its log2-sum-exp (slots: the tile's first token's ranges from partial0, each later
+    # token's ``ranges`` further on)
     l_o = gl.convert_layout(l_i, row_o)
     o = o / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
     # the ring is free: both warpgroups passed the sums' barrier after their last P·V,
     # and no load is in flight past the last pair
+    out_stage = kn_ring.index(0).slice(WG * HALF, HALF, dim=1)
     if ONE_SPLIT:
-        stage = kn_ring.index(0).slice(WG * HALF, HALF, dim=1)
-        _store_rows(o.to(Out.dtype.element_ty), stage, Out, stride_o_t, stride_o_h, row0,
+        _store_rows(o.to(Out.dtype.element_ty), out_stage, Out, stride_o_t, stride_o_h, row0,
                     WG * HALF, q_start, q_len, NUM_HEADS, TILE_M, HALF, 8)  # fmt: skip
     else:
-        # the float32 part of [T, H, splits, L]: a token's rows H * splits * L apart, a
-        # head's splits * L, this split's at split * L
-        f32_layout: gl.constexpr = gl.NVMMASharedLayout(128, 32)
-        stage = kn_ring._reinterpret(gl.float32, [2, TILE_M, HALF], f32_layout).index(WG)
-        _store_rows(o, stage, MidO + split * L, NUM_HEADS * num_splits * L, num_splits * L,
-                    row0, WG * HALF, q_start, q_len, NUM_HEADS, TILE_M, HALF, 4)  # fmt: skip
-        if WG == 0:
-            o_rows = row0 + gl.arange(0, TILE_M, layout=row_o)
-            o_tok = (q_start + o_rows // NUM_HEADS).to(gl.int64)
-            mid_row = (o_tok * NUM_HEADS + o_rows % NUM_HEADS) * num_splits + split
-            m_o = gl.convert_layout(m_i, row_o)
-            lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(gl.maximum(l_o, 1e-30)))
-            gl.store(MidLse + mid_row, lse, mask=o_rows // NUM_HEADS < q_len)
+        if ranges == 1:
+            _store_rows(o.to(Out.dtype.element_ty), out_stage, Out, stride_o_t, stride_o_h, row0,
+                        WG * HALF, q_start, q_len, NUM_HEADS, TILE_M, HALF, 8)  # fmt: skip
+        else:
+            f32_layout: gl.constexpr = gl.NVMMASharedLayout(128, 32)
+            part_stage = kn_ring._reinterpret(gl.float32, [2, TILE_M, HALF], f32_layout).index(WG)
+            first = MidO + (partial0 + split).to(gl.int64) * (NUM_HEADS * L)
+            tok0 = row0 // NUM_HEADS
+            _store_rows(o, part_stage, first, ranges * (NUM_HEADS * L), L, row0, WG * HALF,
+                        -tok0, q_len, NUM_HEADS, TILE_M, HALF, 4)  # fmt: skip
+            if WG == 0:
+                o_rows = row0 + gl.arange(0, TILE_M, layout=row_o)
+                slot = partial0 + (o_rows // NUM_HEADS - tok0) * ranges + split
+                m_o = gl.convert_layout(m_i, row_o)
+                lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(gl.maximum(l_o, 1e-30)))
+                gl.store(MidLse + slot.to(gl.int64) * NUM_HEADS + o_rows % NUM_HEADS, lse,
+                         mask=o_rows // NUM_HEADS < q_len)  # fmt: skip
 
 
 @gluon.jit
@@ -289,28 +317,26 @@ def _warpgroup1(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.cons
 
 @gluon.jit
 def _mla_attention_sm90(
-    QN,  # [T, H, L] absorbed q_nope
-    QP,  # [T, H, R] q_pe
+    qn_desc,  # the absorbed q_nope [T, H, L], box [tokens, heads, 64] of one tile's rows
+    qp_desc,  # q_pe [T, H, R], the same box but R wide
     half_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, piece_width(L)]
     rope_desc,  # the same rows, box [TILE_N, R]
     BlockTable,  # [num_reqs, max_blocks] int32
     SeqLens,  # [num_reqs] int32
     QueryStartLoc,  # [num_reqs + 1] int32
-    TileReq,  # [num_tiles] int32: the request of each tile
-    TileRow0,  # [num_tiles] int32: its first row (token-in-request * H + head)
-    Out,  # [T, H, L] (ONE_SPLIT)
-    MidO,  # [T, H, num_splits, L] float32 (not ONE_SPLIT)
-    MidLse,  # [T, H, num_splits] float32, log2 domain (not ONE_SPLIT)
-    stride_qn_t,
-    stride_qn_h,
-    stride_qp_t,
-    stride_qp_h,
+    TileReq,  # [items] int32: the request of each work item
+    TileRow0,  # [items] int32: its tile's first row (token-in-request * H + head)
+    TileSplit,  # [items] int32: its key range
+    TokenRanges,  # [T] int32: the ranges of each token's request (1: output written here)
+    TokenPartial,  # [T] int32: the token's first partial slot (its ranges' slots follow)
+    Out,  # [T, H, L]
+    MidO,  # [partials, H, L] float32 (not ONE_SPLIT)
+    MidLse,  # [partials, H] float32, log2 domain (not ONE_SPLIT)
     stride_bt,
     stride_o_t,
     stride_o_h,
     qk_scale,  # softmax scale * log2(e)
-    kv_per_split,  # KV positions per split, a multiple of TILE_N
-    num_splits,
+    kv_per_split,  # KV positions per range, a multiple of TILE_N
     oob_row,  # a cache row past the last one (TMA reads zeros there)
     NUM_HEADS: gl.constexpr,
     L: gl.constexpr,
@@ -323,10 +349,10 @@ def _mla_attention_sm90(
     WORKER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = half_desc.dtype
-    tile = gl.program_id(0)
-    split = gl.program_id(1)
-    req = gl.load(TileReq + tile)
-    row0 = gl.load(TileRow0 + tile)
+    item = gl.program_id(0)
+    req = gl.load(TileReq + item)
+    row0 = gl.load(TileRow0 + item)
+    split = gl.load(TileSplit + item)
     q_start = gl.load(QueryStartLoc + req)
     q_len = gl.load(QueryStartLoc + req + 1) - q_start
     seq_len = gl.load(SeqLens + req)
@@ -342,7 +368,8 @@ def _mla_attention_sm90(
     table_row = BlockTable + req.to(gl.int64) * stride_bt
 
     # -- shared memory: the query, a two-slot latent ring, P, row statistics, barriers --
-    q_nope_s = gl.allocate_shared_memory(dtype, [TILE_M, L], rope_desc.layout)
+    # the query in pieces of 64 columns, as TMA boxes bring them and wgmmas read them
+    q_nope_s = gl.allocate_shared_memory(dtype, [L // 64, TILE_M, 64], rope_desc.layout)
     q_rope_s = gl.allocate_shared_memory(dtype, [TILE_M, R], rope_desc.layout)
     kn_ring = gl.allocate_shared_memory(dtype, [2, TILE_N, L], rope_desc.layout)
     kr_ring = gl.allocate_shared_memory(dtype, [2, TILE_N, R], rope_desc.layout)
@@ -357,40 +384,35 @@ def _mla_attention_sm90(
     )
     load_bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())
     sync_bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(16):
         mbarrier.init(load_bars.index(i), count=1)
     for i in gl.static_range(8):
         mbarrier.init(sync_bars.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
 
-    # the query rows through registers (rows past the request's tokens are zero), every
-    # load issued before the first store: loaded and stored 64 columns at a time, the
-    # barrier before each store kept the loads one after another, nine round trips to
-    # memory before the first score. They also go out before the first tiles' TMA,
-    # which waits on a block-table entry for each tile (the query then queued behind
-    # both tiles: 1x32k 42.0 -> 39.2 µs on the H200)
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    q_rows = row0 + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, q_load))
-    q_tok = (q_start + q_rows // NUM_HEADS).to(gl.int64)
-    q_head = q_rows % NUM_HEADS
-    q_live = gl.expand_dims(q_rows // NUM_HEADS < q_len, 1)
-    qn_cols = gl.expand_dims(gl.arange(0, L, layout=gl.SliceLayout(0, q_load)), 0)
-    qp_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, q_load)), 0)
-    qn_ptr = QN + gl.expand_dims(q_tok * stride_qn_t + q_head * stride_qn_h, 1) + qn_cols
-    qp_ptr = QP + gl.expand_dims(q_tok * stride_qp_t + q_head * stride_qp_h, 1) + qp_cols
-    q_nope = gl.load(qn_ptr, mask=q_live & (qn_cols < L), other=0.0)
-    q_pe = gl.load(qp_ptr, mask=q_live & (qp_cols < R), other=0.0)
+    # the query through TMA before the first tiles' block-table reads (each tile's TMA
+    # waits on one; the query then queued behind both tiles: 1x32k 42.0 -> 39.2 µs on the
+    # H200 when it still came through registers, which took 5.4 µs of a program's start)
+    _load_query(qn_desc, qp_desc, q_nope_s, q_rope_s, q_bar, q_start + row0 // NUM_HEADS,
+                row0 % NUM_HEADS, n_iter > 0, L)  # fmt: skip
+    ranges = 1
+    partial0 = 0
+    if not ONE_SPLIT:
+        # the request's ranges and the tile's first token's first partial slot (a padding
+        # item's token may lie past the tables: it stores nothing)
+        live = row0 < q_len * NUM_HEADS
+        ranges = gl.load(TokenRanges + q_start + row0 // NUM_HEADS, mask=live, other=1)
+        partial0 = gl.load(TokenPartial + q_start + row0 // NUM_HEADS, mask=live, other=0)
     for t in gl.static_range(2):
         row = _tile_row(table_row, kv_lo, t, n_iter, oob_row, BLOCK_SIZE, TILE_N)
         for half in gl.static_range(2):
             _load_half(half_desc, rope_desc, kn_ring, kr_ring, load_bars, t, row, n_iter > 0,
                        half, L)  # fmt: skip
-    q_nope_s.store(q_nope)
-    q_rope_s.store(q_pe)
-    fence_async_shared()  # the wgmma (async proxy) reads what the threads stored
 
-    a = (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, half_desc,
-         rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start,
-         q_len, qk_scale, split, num_splits, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip
+    a = (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, q_bar,
+         half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start,
+         q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip
     gl.warp_specialize(
         [
             (_warpgroup0, (a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL)),

@@ -8,10 +8,11 @@ is the shared writer, ``pagedkv.toolkit.triton_kv_write``):
   so a decode tile is ``BLOCK_M`` heads of one token and a prefill tile holds a few
   tokens times all heads. Every row shares one latent stream, which is why the heads
   sit in the M dimension of ``tl.dot``: K = the whole latent row, V = its first L
-  values, read once per tile for all its rows. Axis 1 of the grid splits the KV range
-  (split-KV); with one split the program writes the final output directly. A tile
-  with no query rows (the padding of a CUDA-graph step) does nothing.
-- ``_mla_reduce``: combines the splits of each row by their log-sum-exp.
+  values, read once per tile for all its rows. A program is one work item (work.py):
+  a tile and one key range of its request (split-KV); a request of one range writes
+  its output directly, the ranges of a longer one write partial results. A tile with
+  no query rows (the padding of a CUDA-graph step) does nothing.
+- ``_mla_reduce``: combines the ranges of each row by their log-sum-exp.
 
 All scores live in the log2 domain (``exp2``), the scale folded into one multiply.
 Offsets that can pass 2**31 (cache rows, token rows, partial rows) are int64.
@@ -38,11 +39,14 @@ def _mla_attention(
     BlockTable,  # [num_reqs, max_blocks] int32
     SeqLens,  # [num_reqs] int32
     QueryStartLoc,  # [num_reqs + 1] int32
-    TileReq,  # [num_tiles] int32: the request of each tile
-    TileRow0,  # [num_tiles] int32: its first row (token-in-request * H + head)
-    Out,  # [T, H, L] (ONE_SPLIT)
-    MidO,  # [T, H, num_splits, L] float32 (not ONE_SPLIT)
-    MidLse,  # [T, H, num_splits] float32, log2 domain (not ONE_SPLIT)
+    TileReq,  # [items] int32: the request of each work item
+    TileRow0,  # [items] int32: its tile's first row (token-in-request * H + head)
+    TileSplit,  # [items] int32: its key range
+    TokenRanges,  # [T] int32: the ranges of each token's request (1: output written here)
+    TokenPartial,  # [T] int32: the token's first partial slot (its ranges' slots follow)
+    Out,  # [T, H, L]
+    MidO,  # [partials, H, L] float32 (not ONE_SPLIT)
+    MidLse,  # [partials, H] float32, log2 domain (not ONE_SPLIT)
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -54,8 +58,7 @@ def _mla_attention(
     stride_o_h,
     qk_scale,  # softmax scale * log2(e) (* k_scale for fp8)
     out_scale,  # k_scale for fp8 (V is the stored latent), else 1
-    kv_per_split,  # KV positions per split, a multiple of BLOCK_N
-    num_splits,  # programs along grid axis 1
+    kv_per_split,  # KV positions per range, a multiple of BLOCK_N
     NUM_HEADS: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -64,16 +67,16 @@ def _mla_attention(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,  # num_splits == 1: write the final output directly
+    ONE_SPLIT: tl.constexpr,  # no request has several ranges: every output written here
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    req = tl.load(TileReq + tile)
-    row0 = tl.load(TileRow0 + tile)
+    item = tl.program_id(0)
+    req = tl.load(TileReq + item)
+    row0 = tl.load(TileRow0 + item)
+    split = tl.load(TileSplit + item)
     q_start = tl.load(QueryStartLoc + req)
     q_len = tl.load(QueryStartLoc + req + 1) - q_start
     seq_len = tl.load(SeqLens + req)
@@ -174,7 +177,15 @@ def _mla_attention(
             acc = acc * alpha[:, None]
         acc = tl.dot(p, kv, acc, input_precision=DOT_PRECISION)
 
-    if ONE_SPLIT:
+    # the request's ranges (the same for each of its tokens; 1: the output is written
+    # here) and the tile's first token's first partial slot, a later token's ``ranges``
+    # slots further on (a padding item's token may lie past the tables: it stores nothing)
+    tok0 = q_start + row0 // NUM_HEADS
+    live = row0 < q_len * NUM_HEADS
+    ranges = 1
+    if not ONE_SPLIT:
+        ranges = tl.load(TokenRanges + tok0, mask=live, other=1)
+    if ranges == 1:
         out = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         tl.store(
             Out + tok_global[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_l[None, :],
@@ -183,10 +194,12 @@ def _mla_attention(
         )
     else:
         # partial output normalised by its own denominator, plus its log2-sum-exp
-        # (-inf for a split with no visible key: the reduction gives it weight 0)
+        # (-inf for a range with no visible key: the reduction gives it weight 0)
         part = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))
-        mid_row = (tok_global * NUM_HEADS + head) * num_splits + split
+        slot = tl.load(TokenPartial + tok0, mask=live, other=0)
+        slot += (tok - row0 // NUM_HEADS) * ranges + split
+        mid_row = slot.to(tl.int64) * NUM_HEADS + head
         tl.store(
             MidO + mid_row[:, None] * L + offs_l[None, :],
             part,
@@ -197,38 +210,37 @@ def _mla_attention(
 
 @triton.jit
 def _mla_reduce(
-    MidO,  # [T, H, num_splits, L] float32
-    MidLse,  # [T, H, num_splits] float32, log2 domain
+    MidO,  # [partials, H, L] float32
+    MidLse,  # [partials, H] float32, log2 domain
     Out,  # [T, H, L]
-    QueryStartLoc,  # [num_reqs + 1] int32: its last entry is the number of scheduled tokens
-    num_reqs,
+    TokenRanges,  # [T] int32: the ranges of each token's request (1: nothing to merge)
+    TokenPartial,  # [T] int32: the token's first partial slot
     stride_o_t,
     stride_o_h,
     out_scale,
-    num_splits,
     NUM_HEADS: tl.constexpr,
     L: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # power of two >= num_splits
+    SPLITS_PAD: tl.constexpr,  # power of two >= the most ranges
     BLOCK_L: tl.constexpr,  # latent columns per program
 ):
-    # one program per (row, column chunk), every split at once: the loads of all the
-    # splits' parts are independent, so a long split list costs bandwidth, not latency
+    # one program per (row, column chunk), every range at once: the loads of all the
+    # ranges' parts are independent, so a long list costs bandwidth, not latency
     row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
     token = row // NUM_HEADS
     head = row % NUM_HEADS
-    # a CUDA-graph step's grid covers every token row; padding rows have no partials
-    live = token < tl.load(QueryStartLoc + num_reqs)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    # a request of one range wrote its rows itself (CUDA-graph padding rows: one range)
+    ranges = tl.load(TokenRanges + token)
+    live = ranges > 1
+    slot = tl.load(TokenPartial + token).to(tl.int64) + tl.arange(0, SPLITS_PAD)
+    in_list = live & (tl.arange(0, SPLITS_PAD) < ranges)
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    lse = tl.load(
-        MidLse + row * num_splits + offs_s, mask=live & (offs_s < num_splits), other=float("-inf")
-    )
+    lse = tl.load(MidLse + slot * NUM_HEADS + head, mask=in_list, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # 0 for padding and for splits that saw no key
+    w = tl.exp2(lse - lse_max)  # 0 past the list and for ranges that saw no key
     part = tl.load(
-        MidO + (row * num_splits + offs_s)[:, None] * L + offs_l[None, :],
-        mask=live & (offs_s[:, None] < num_splits) & (offs_l[None, :] < L),
+        MidO + (slot * NUM_HEADS + head)[:, None] * L + offs_l[None, :],
+        mask=in_list[:, None] & (offs_l[None, :] < L),
         other=0.0,
     )
     denom = tl.sum(w, 0)

@@ -39,7 +39,6 @@ from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import KernelLaunch
-from pagedkv.toolkit.split_kv import SplitChoice
 from pagedkv.toolkit.triton_helpers import LOG2E
 
 # how the attention kernel reads the latent cache
@@ -77,19 +76,6 @@ def max_tiles(bounds: GraphBounds, num_heads: int, block_m: int) -> int:
     return min(by_tokens, by_rows)
 
 
-def pad_tiles(tiles: np.ndarray, num_tiles: int, pad_row: int) -> np.ndarray:
-    """``tiles`` followed by padding tiles up to ``num_tiles``: request 0 from row
-    ``pad_row``, past any request's rows, so the kernels skip them."""
-    if tiles.shape[1] > num_tiles:
-        raise RuntimeError(
-            f"the step has {tiles.shape[1]} tiles, more than the CUDA-graph bound {num_tiles}"
-        )
-    padded = np.zeros((2, num_tiles), dtype=np.int32)
-    padded[:, : tiles.shape[1]] = tiles
-    padded[1, tiles.shape[1] :] = pad_row
-    return padded
-
-
 # -- kernel choice -------------------------------------------------------------------------
 
 
@@ -112,7 +98,7 @@ def gluon_problem(
         return f"block_size {spec.block_size} is not a multiple of {GLUON_BLOCK_N}"
     if config.block_m != GLUON_BLOCK_M or kv_per_split % GLUON_BLOCK_N:
         return f"tiles of {GLUON_BLOCK_M} rows and splits of whole {GLUON_BLOCK_N}-row tiles only"
-    return None
+    return query_problem(spec.num_heads)
 
 
 def has_tma(capability: tuple[int, int] | None) -> bool:
@@ -171,22 +157,22 @@ class StepPlan:
         layer: ``layer_args(self.kind, ...)`` of the layer."""
         if self.grid[0] == 0:
             return []
-        qn, qp, o = q_nope.stride(), q_pe.stride(), out.stride()
+        o = out.stride()
         args = dict(
             self.args,
-            QN=q_nope,
-            QP=q_pe,
             Out=out,
-            stride_qn_t=qn[0],
-            stride_qn_h=qn[1],
-            stride_qp_t=qp[0],
-            stride_qp_h=qp[1],
             stride_o_t=o[0],
             stride_o_h=o[1],
             # one query token per request: its causal limit is the sequence's end
             CAUSAL=layer.causal and self.multi_token,
             **layer.attention,
         )
+        if self.kind == GLUON:
+            args.update(qn_desc=query_descriptor(q_nope), qp_desc=query_descriptor(q_pe))
+        else:
+            qn, qp = q_nope.stride(), q_pe.stride()
+            args.update(QN=q_nope, QP=q_pe, stride_qn_t=qn[0], stride_qn_h=qn[1],
+                        stride_qp_t=qp[0], stride_qp_h=qp[1])  # fmt: skip
         if self.reduce_args is None:
             # the one-split variant never touches its partial-output pointers
             args["MidO"] = args["MidLse"] = out
@@ -205,8 +191,10 @@ def plan_step(
     spec: AttentionSpec,
     config: KernelConfig,
     common: CommonAttentionMetadata,
-    tiles: torch.Tensor,
-    split: SplitChoice,
+    items: torch.Tensor,
+    token_ranges: torch.Tensor,
+    num_splits: int,
+    kv_per_split: int,
     mid_o: torch.Tensor | None,
     mid_lse: torch.Tensor | None,
     *,
@@ -214,32 +202,35 @@ def plan_step(
     capability: tuple[int, int] | None,
     kind: str | None = None,
 ) -> StepPlan:
-    """The step's plan. tiles: [2, num_tiles] int32 on the device (``tile_table``);
-    mid_o [rows, H, S, L] and mid_lse [rows, H, S] float32 when split.num_splits > 1;
-    reduce_rows: token rows the reduction covers (its kernel skips rows past the
-    scheduled tokens); capability: the device's (None: no GPU); kind: None chooses.
+    """The step's plan. items: [3, n] int32 on the device (``work.work_list``: one
+    program each); token_ranges: [2, T] int32 on the device (each token's ranges and
+    first partial slot); num_splits: the most ranges of a request (1: the kernels write
+    every output directly); mid_o [partials, H, L] and mid_lse [partials, H] float32
+    when num_splits > 1; reduce_rows: token rows the reduction covers (rows with one
+    range are skipped); capability: the device's (None: no GPU); kind: None chooses.
     The layer's scales and causality come with each layer (``layer_args``)."""
     if kind is None:
-        if gluon_problem(spec, config, split.keys_per_split, capability) is None:
+        if gluon_problem(spec, config, kv_per_split, capability) is None:
             kind = GLUON
         elif config.use_tma and has_tma(capability) and tma_problem(spec, config) is None:
             kind = TMA
         else:
             kind = POINTER
     lora, rope, heads = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_heads
-    num_splits = split.num_splits
     one_split = num_splits == 1
     args: dict[str, Any] = dict(
         BlockTable=common.block_table,
         SeqLens=common.seq_lens,
         QueryStartLoc=common.query_start_loc,
-        TileReq=tiles[0],
-        TileRow0=tiles[1],
+        TileReq=items[0],
+        TileRow0=items[1],
+        TileSplit=items[2],
+        TokenRanges=token_ranges[0],
+        TokenPartial=token_ranges[1],
         MidO=mid_o,
         MidLse=mid_lse,
         stride_bt=common.block_table.stride(0),
-        kv_per_split=split.keys_per_split,
-        num_splits=num_splits,
+        kv_per_split=kv_per_split,
         NUM_HEADS=heads,
         L=lora,
         R=rope,
@@ -277,9 +268,8 @@ def plan_step(
         reduce_args = dict(
             MidO=mid_o,
             MidLse=mid_lse,
-            QueryStartLoc=common.query_start_loc,
-            num_reqs=common.num_reqs,
-            num_splits=num_splits,
+            TokenRanges=token_ranges[0],
+            TokenPartial=token_ranges[1],
             NUM_HEADS=heads,
             L=lora,
             SPLITS_PAD=splits_pad,
@@ -289,12 +279,13 @@ def plan_step(
     fallback = None
     if kind != POINTER:
         fallback = functools.partial(
-            plan_step, spec, config, common, tiles, split, mid_o, mid_lse,
-            reduce_rows=reduce_rows, capability=capability, kind=POINTER,
+            plan_step, spec, config, common, items, token_ranges, num_splits, kv_per_split,
+            mid_o, mid_lse, reduce_rows=reduce_rows, capability=capability, kind=POINTER,
         )  # fmt: skip
-    grid = (tiles.shape[1], num_splits)
     multi_token = common.max_query_len > 1
-    return StepPlan(kind, kernel, grid, args, reduce_grid, reduce_args, multi_token, fallback)
+    return StepPlan(
+        kind, kernel, (items.shape[1],), args, reduce_grid, reduce_args, multi_token, fallback
+    )
 
 
 # -- a layer's arguments ------------------------------------------------------------------
@@ -349,11 +340,35 @@ def layer_args(kind: str, cache: torch.Tensor, spec: AttentionSpec, block_n: int
     return LayerArgs(attention, out_scale, spec.causal)
 
 
+def query_descriptor(query: torch.Tensor) -> Any:
+    """The Gluon kernel's TMA descriptor of a query part [T, H, D] (its strides, any
+    order: the absorbed q_nope is often a transposed [H, T, L]): a box of one tile's
+    rows, token-major as the tile counts them, 64 columns wide (the shared layout's
+    swizzle): 64 heads of one token, or every head of 64 / H tokens. TMA reads 16-byte
+    aligned strides only: a query with others is copied first."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    heads, width = query.shape[1], query.shape[2]
+    size = query.element_size()
+    if query.data_ptr() % 16 or any(st * size % 16 for st in query.stride()[:2]):
+        query = query.clone(memory_format=torch.contiguous_format)
+    box = [max(1, GLUON_BLOCK_M // heads), min(heads, GLUON_BLOCK_M), min(width, 64)]
+    layout = _gluon_shared_layout(query.dtype, len(box))
+    return TensorDescriptor(query, list(query.shape), list(query.stride()), box, layout)
+
+
+def query_problem(num_heads: int) -> str | None:
+    """None when a tile's query rows are one TMA box (``query_descriptor``), else why not."""
+    if num_heads % GLUON_BLOCK_M and GLUON_BLOCK_M % num_heads:
+        return f"{num_heads} heads neither divide {GLUON_BLOCK_M} nor are a multiple of it"
+    return None
+
+
 @functools.cache
-def _gluon_shared_layout(dtype: torch.dtype) -> Any:
+def _gluon_shared_layout(dtype: torch.dtype, rank: int = 2) -> Any:
     # the 128-byte swizzle of a [64, 64] 16-bit tile; wider tiles of 64-column multiples
     # get the same one, so every shared buffer of the kernel uses it
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, 64], gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for([1] * (rank - 2) + [GLUON_BLOCK_N, 64], gl_dtype)

@@ -120,6 +120,7 @@ class SplitPolicy:
         listed: bool = False,
         max_programs: int | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
+        merge_split_only: bool = False,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -160,7 +161,10 @@ class SplitPolicy:
 
         ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
         CUDA-graph grid sized once for every step; choices past it are not taken (one
-        program per entry always fits)."""
+        program per entry always fits). ``merge_split_only``: the kernel writes the
+        output of a sequence its ranges do not cut directly, so fixed ranges pay the
+        reduction only for the programs they cut (``merge_keys_per_split`` being every
+        program's share of it, once per range)."""
         keys = np.asarray(keys, dtype=np.float64)
         limit = min(max_splits or self.max_splits, self.max_splits)
         even_limit = limit  # even shares split every entry alike
@@ -174,7 +178,7 @@ class SplitPolicy:
             merge = _merge_on(range_slots, merge_keys_per_split, split_slots)
             ranged, ranged_time = self._key_ranges(
                 keys, range_slots, limit, granule, overhead_keys, merge, copies, listed,
-                max_programs, range_multiples,
+                max_programs, range_multiples, merge_split_only,
             )  # fmt: skip
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
@@ -223,6 +227,7 @@ class SplitPolicy:
         listed: bool,
         max_programs: int | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
+        merge_split_only: bool = False,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
         and its estimated time (in keys); an infinite time when none applies (or none
@@ -238,7 +243,7 @@ class SplitPolicy:
             return SplitChoice(1, int(most * granule)), float("inf")
         estimate, splits, programs = _range_estimates(
             steps, np.array(ranges, dtype=np.float64), slots, granule, overhead_keys,
-            merge_keys_per_split, copies, listed,
+            merge_keys_per_split, copies, listed, merge_split_only,
         )  # fmt: skip
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
@@ -333,10 +338,12 @@ def _range_estimates(
     merge_keys_per_split: float,
     copies: int,
     listed: bool,
+    merge_split_only: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The makespan estimate of fixed key ranges of ``per_range`` inner steps each (one
     entry per range size) over programs of ``steps`` inner steps, with each size's split
-    count (the longest program's ranges) and its programs."""
+    count (the longest program's ranges) and its programs (``merge_split_only``: see
+    ``SplitPolicy.choose_by_makespan``)."""
     most = float(steps.max(initial=0.0))
     pieces = np.ceil(steps[None, :] / per_range[:, None])  # [R, P] programs with keys
     splits = np.ceil(most / per_range)  # [R] the grid's split axis
@@ -351,7 +358,11 @@ def _range_estimates(
     # programs end at scattered times and a wave boundary falls anywhere in the last one
     tail = np.where(programs <= slots, 0.0, RANGE_TAIL_SHARE * longest)
     estimate = np.maximum(work / max(1, slots) + tail, longest)
-    estimate += splits * merge_keys_per_split
+    if merge_split_only:  # each cut program's ranges, at its share of a split's merge
+        cut = np.where(pieces > 1, pieces, 0.0).sum(axis=1)
+        estimate += cut / max(1, len(steps)) * merge_keys_per_split
+    else:
+        estimate += splits * merge_keys_per_split
     return estimate, splits, programs
 
 

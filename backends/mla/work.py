@@ -1,0 +1,126 @@
+"""A step's programs: each query tile's key ranges (split-KV) as a list of work items, and
+where the rows of a request cut into several ranges keep their partial results.
+
+A request whose keys fit one range (``keys_per_split``) is one program per tile that
+writes its output directly; a longer one is cut into ``cdiv(seq_len, keys_per_split)``
+ranges, each tile's ranges being programs of their own whose partial results (one slot
+of ``[H, L]`` per token and range) ``_mla_reduce`` merges. So a ragged batch splits only
+its long requests, and only their rows are merged: the way FlashInfer balances one.
+
+Ranges are counted from the request's whole sequence (not a causal tile's horizon), so
+the list and the reduction do not depend on a layer's causality: a causal tile's ranges
+past its last query see no key and leave a partial of weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from pagedkv.backends.mla.configs import PROGRAM_OVERHEAD_KEYS, SPLIT_POLICY
+from pagedkv.toolkit.split_kv import SplitChoice
+
+
+@dataclass(frozen=True)
+class WorkList:
+    """The programs of a step and its tokens' partial slots (host arrays)."""
+
+    items: np.ndarray  # [3, n] int32: request, first row (tile_table's) and key range
+    # [2, T] int32: each token's ranges (1: its output is written directly) and the first
+    # of its partial slots (its request's slots, token after token, range after range)
+    token_ranges: np.ndarray
+    num_partials: int  # partial slots the step writes
+    num_splits: int  # the most ranges of a request (1: no partials at all)
+
+
+def request_ranges(seq_lens: np.ndarray, keys_per_split: int) -> np.ndarray:
+    """Key ranges of each request: one for a sequence within one range (or none)."""
+    return np.maximum(1, -(-seq_lens.astype(np.int64) // keys_per_split))
+
+
+def work_list(
+    tiles: np.ndarray,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    keys_per_split: int,
+    num_tokens: int,
+) -> WorkList:
+    """Every tile's ranges as work items, the longest first (a range of a cut request is
+    ``keys_per_split`` keys, the others shorter: the longest-first order lets the short
+    ones fill the last wave), ties range after range, in tile order (a request's tiles
+    of one range read the same latent rows: adjacent, they share them in L2). ``tiles``: ``tile_table``'s; ``num_tokens``: the
+    token rows the reduction covers (padding tokens have one range: nothing to merge)."""
+    ranges = request_ranges(seq_lens, keys_per_split)
+    per_tile = ranges[tiles[0]]
+    tile_of = np.repeat(np.arange(tiles.shape[1]), per_tile)
+    first = np.cumsum(per_tile) - per_tile
+    split = np.arange(len(tile_of)) - np.repeat(first, per_tile)
+    keys = np.minimum(keys_per_split, seq_lens[tiles[0, tile_of]] - split * keys_per_split)
+    order = np.lexsort((tile_of, split, -keys))  # longest, then range, then tile
+    items = np.stack([tiles[0, tile_of], tiles[1, tile_of], split])[:, order]
+    # (C order: the kernels read each row with a unit stride)
+    items = np.ascontiguousarray(items, dtype=np.int32)
+
+    token_ranges = np.ones((2, num_tokens), dtype=np.int64)
+    live = int(query_lens.sum())
+    token_ranges[0, :live] = np.repeat(ranges, query_lens)
+    slots = np.where(token_ranges[0] > 1, token_ranges[0], 0)
+    token_ranges[1] = np.cumsum(slots) - slots
+    return WorkList(
+        items, token_ranges.astype(np.int32), int(slots.sum()), int(ranges.max(initial=1))
+    )
+
+
+def choose_ranges(
+    tile_keys: np.ndarray,
+    num_sms: int,
+    granule: int,
+    partial_bytes_per_split: int,
+    latent_bytes: int,
+) -> SplitChoice:
+    """An eager step's key ranges by the toolkit's makespan rule: even shares of every
+    tile or fixed ranges (cutting only the long requests: a ragged batch), one program
+    per SM (the kernels' shared memory), each program paying ``PROGRAM_OVERHEAD_KEYS``;
+    only cut requests are merged. ``tile_keys``: each tile's keys (a causal tile's
+    horizon); ``partial_bytes_per_split``: every token row's partial results for one
+    range; ``latent_bytes``: one cached latent row."""
+    # the reduction writes and reads a range's partials once, in the time the SMs'
+    # programs stream that many bytes of latent rows (the toolkit's merge_keys_per_split
+    # for a key of K and V)
+    merge = 2 * partial_bytes_per_split / (num_sms * latent_bytes)
+    return SPLIT_POLICY.choose_by_makespan(
+        tile_keys, num_sms, granule=granule, overhead_keys=PROGRAM_OVERHEAD_KEYS,
+        merge_keys_per_split=merge, key_ranges=True, listed=True, merge_split_only=True,
+    )  # fmt: skip
+
+
+def tile_keys(tiles: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, num_heads: int,
+              block_m: int, causal: bool) -> np.ndarray:  # fmt: skip
+    """The keys each tile visits: its request's sequence, or (causal) up to its last
+    query token's position."""
+    req, row0 = tiles[0], tiles[1].astype(np.int64)
+    seq = seq_lens[req].astype(np.int64)
+    if not causal:
+        return seq.astype(np.float64)
+    q = query_lens[req].astype(np.int64)
+    last = np.minimum(row0 + block_m - 1, q * num_heads - 1) // num_heads
+    return (seq - q + last + 1).astype(np.float64)
+
+
+def max_items(num_tiles: int, num_splits: int) -> int:
+    """The most work items a step of ``num_tiles`` tiles cut into at most ``num_splits``
+    ranges lists (a CUDA-graph grid)."""
+    return num_tiles * num_splits
+
+
+def pad_items(items: np.ndarray, capacity: int, pad_row: int) -> np.ndarray:
+    """``items`` followed by padding items up to ``capacity``: request 0 from row
+    ``pad_row``, past any request's rows, so the kernels skip them."""
+    if items.shape[1] > capacity:
+        raise RuntimeError(
+            f"the step lists {items.shape[1]} work items, more than the CUDA-graph bound {capacity}"
+        )
+    padded = np.zeros((3, capacity), dtype=np.int32)
+    padded[:, : items.shape[1]] = items
+    padded[1, items.shape[1] :] = pad_row
+    return padded
