@@ -13,6 +13,8 @@ import numpy as np
 import pagedkv
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedkv import AttentionSpec, UnsupportedError
 from pagedkv.backends.mla import MLABackend, absorb_query, mla_attention, up_project
 from pagedkv.backends.mla.configs import SPLIT_POLICY, choose_config
@@ -513,3 +515,41 @@ def test_configs_fit_registers_and_shared_memory(arch, itemsize, l_pad, r_pad):
     smem = (cfg.block_m + cfg.num_stages * cfg.block_n) * (l_pad + r_pad) * itemsize
     assert smem <= 227 * 1024
     assert math.log2(cfg.block_m).is_integer() and math.log2(cfg.block_n).is_integer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 3000)), min_size=1, max_size=8),
+    heads=st.sampled_from([1, 16, 20, 64, 128]),
+    block_m=st.sampled_from([16, 64]),
+    keys=st.sampled_from([64, 256, 1024]),
+    padding=st.integers(0, 3),
+)
+def test_every_tile_range_is_one_item_and_partial_slots_do_not_overlap(
+    reqs, heads, block_m, keys, padding
+):
+    query_lens = np.array([q for q, _ in reqs])
+    seq_lens = np.maximum(np.array([s for _, s in reqs]), query_lens)
+    tiles = tile_table(query_lens, heads, block_m)
+    tokens = int(query_lens.sum()) + padding
+    work = work_list(tiles, query_lens, seq_lens, keys, tokens)
+    ranges = np.maximum(1, -(-seq_lens // keys))
+    # each tile's ranges, once each, and nothing else
+    listed = sorted(zip(*work.items.tolist()))
+    expected = sorted((r, row, s) for r, row in zip(*tiles.tolist()) for s in range(int(ranges[r])))
+    assert listed == expected
+    # the longest ranges first
+    item_keys = np.minimum(keys, seq_lens[work.items[0]] - work.items[2] * keys)
+    assert (np.diff(item_keys) <= 0).all()
+    # a token's slots: its request's ranges, none shared, all within num_partials
+    token_req = np.repeat(np.arange(len(reqs)), query_lens)
+    count, first = work.token_ranges
+    assert (count[: len(token_req)] == ranges[token_req]).all() and (
+        count[len(token_req) :] == 1
+    ).all()
+    used = np.zeros(max(1, work.num_partials), dtype=int)
+    for n, f in zip(count, first):
+        if n > 1:
+            used[f : f + n] += 1
+    assert (used <= 1).all() and used.sum() == work.num_partials
+    assert work.num_splits == int(ranges.max())
