@@ -62,6 +62,25 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
         assert row.host_us is None and row.steady_us is None  # back to back: a GPU's queue
 
 
+def test_mla_layers_run_through_the_mla_backend_checked_against_the_latent_reference():
+    """The tiny MLA matrix (absorbed query, one latent row per token): the mla backend's
+    output against the float64 reference over the latent rows, and its plan reported."""
+    workloads = select_workloads("tiny-mla")
+    assert all(w.layer.spec().is_mla for w in workloads)
+    rows, _ = run_bench(["mla"], workloads, device="cpu", baseline=None, progress=lambda _: None)
+    for row in rows:
+        assert not row.error, row.error
+        assert row.eager_us > 0 and row.write_us > 0
+        assert row.max_abs_diff is not None and row.max_abs_diff < 1e-4
+        assert "range(s) of" in row.config["plan"]
+    # the GPU matrix: DeepSeek's latent, 128 heads (16 under 8-way tensor parallelism)
+    gpu = select_workloads("mla")
+    assert {w.layer.describe() for w in gpu} == {
+        "MLA H128 L512+R64 B64 bf16", "MLA H16 L512+R64 B64 bf16"
+    }  # fmt: skip
+    assert {w.kind for w in gpu} == {"decode", "ragged-decode", "mixed"}
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="times CUDA graphs and back-to-back calls on a GPU"
 )

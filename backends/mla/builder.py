@@ -53,6 +53,13 @@ class MLAMetadata(BackendMetadata):
     # under a CUDA-graph reservation padding rows are left as they are)
     zero_rows_from: int | None
 
+    def describe(self) -> str:
+        """The step's plan in a line (``pagedkv bench`` reports it)."""
+        return (
+            f"{self.plan.kind} {self.config}, {self.num_splits} range(s) of "
+            f"{self.kv_per_split} keys, {self.items.shape[1]} programs"
+        )
+
 
 class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
     """Chooses the tile configuration and the key ranges, lists the work items (work.py)

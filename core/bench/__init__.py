@@ -3,7 +3,8 @@
 Every backend gets the same step (the same random logical K/V written into its own
 layout, the same shuffled block tables and queries) in the same process, next to a
 raw library baseline (FlashInfer, where installed) and the copy bandwidth measured
-in the same run; every output is checked against the torch backend's.
+in the same run; every output is checked against the torch backend's (an MLA layer's against
+the float64 reference over its latent rows).
 
     from pagedkv.bench import run_bench
     rows = run_bench(["triton", "flashinfer"], matrix="standard")

@@ -70,7 +70,8 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "call replayed from a CUDA graph captured through `reserve_cuda_graph`; `flushed`: "
         "those replays with the L2 flushed before each, as eager calls); `host` = eager - "
         "graph; `launch` = the host's time to enqueue one eager call; `vs base` = the baseline's best time / this row's best time (> 1: faster); "
-        "`max|diff|` against the torch backend (fp32 maths).",
+        "`max|diff|` against the torch backend (fp32 maths; MLA layers: the float64 reference "
+        "over the latent rows).",
     ]
     profiled = [r for r in rows if r.kernels]
     if profiled:

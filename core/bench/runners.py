@@ -21,6 +21,7 @@ from pagedkv.bench.timing import (
 from pagedkv.graph import GraphBounds
 from pagedkv.intmath import cdiv
 from pagedkv.selection import select_backend
+from pagedkv.toolkit.kv_write import quantize_for_cache
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Row:
     pct_copy: float | None = None  # of the copy bandwidth measured in the same run
     tflops: float | None = None
     vs_baseline: float | None = None  # baseline best time / this best time (> 1: faster)
-    max_abs_diff: float | None = None  # against the torch backend's output
+    max_abs_diff: float | None = None  # against the torch backend's output (MLA: the reference)
     graph_diff: float | None = None  # graph replay vs the eager output
     config: dict[str, Any] = field(default_factory=dict)
     # --profile: the eager call's kernels (device time per call; on a GPU in launch order)
@@ -164,7 +165,11 @@ def run_baseline(
 
 
 def reference_output(problem: BenchProblem) -> torch.Tensor:
-    """The torch backend's output (fp32 maths), the yardstick for every row."""
+    """The torch backend's output (fp32 maths), the yardstick for every row; for an MLA
+    layer (which the torch backend does not run) the float64 reference over the latent
+    rows (K the whole row, V its prefix, one KV head for every query head)."""
+    if problem.spec.is_mla:
+        return _latent_reference(problem)
     from pagedkv.backends.torch import TorchBackend
 
     backend = TorchBackend()
@@ -174,6 +179,20 @@ def reference_output(problem: BenchProblem) -> torch.Tensor:
     metadata = backend.make_builder(spec, device).build(problem.common)
     out = backend.make_impl(spec).forward(problem.query, None, None, kv_cache, metadata)
     return out[: problem.common.num_actual_tokens]
+
+
+def _latent_reference(problem: BenchProblem) -> torch.Tensor:
+    from pagedkv.reference import reference_attention
+
+    s, common = problem.spec, problem.common
+    keys = []
+    for i, seq_len in enumerate(common.seq_lens_cpu.tolist()):
+        blocks = common.block_table[i, : cdiv(seq_len, s.block_size)].long()
+        keys.append(problem.key_blocks[blocks].flatten(0, 1)[:seq_len])
+    values = [k[..., : s.head_size_v] for k in keys]
+    query_lens = common.query_start_loc_cpu.diff().tolist()
+    n = common.num_actual_tokens
+    return reference_attention(problem.query[:n], keys, values, query_lens, s)
 
 
 # -- raw libraries ---------------------------------------------------------------------------
@@ -186,7 +205,9 @@ def flashinfer(problem: BenchProblem) -> Callable[[], torch.Tensor]:
     """FlashInfer, called directly on the same bytes ((2, N, B, H, D): each half an NHD
     paged cache): BatchDecodeWithPagedKVCacheWrapper (tensor cores) when every request
     decodes one token, else BatchPrefillWithPagedKVCacheWrapper (causal) over all rows.
-    Planned once; the returned call runs one step."""
+    Planned once; the returned call runs one step. An MLA layer: ``flashinfer_mla``."""
+    if problem.spec.is_mla:
+        return flashinfer_mla(problem)
     import flashinfer as fi
     from pagedkv.backends.flashinfer.metadata import paged_kv_csr
 
@@ -196,8 +217,6 @@ def flashinfer(problem: BenchProblem) -> Callable[[], torch.Tensor]:
         dtype=s.cache_dtype,
         device=device,
     )
-    from pagedkv.toolkit.kv_write import quantize_for_cache
-
     cache[0].copy_(quantize_for_cache(problem.key_blocks, s.cache_dtype, s.k_scale))
     cache[1].copy_(quantize_for_cache(problem.value_blocks, s.cache_dtype, s.v_scale))
     kv = (cache[0], cache[1])
@@ -224,6 +243,47 @@ def flashinfer(problem: BenchProblem) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         return wrapper.run(problem.query, kv, out=out, **scales)
 
+    return run
+
+
+def flashinfer_mla(problem: BenchProblem) -> Callable[[], torch.Tensor]:
+    """FlashInfer's MLA (BatchMLAPagedAttentionWrapper) on the same latent rows: the
+    absorbed query's q_nope and q_pe parts, the cache's kv_c and k_pe parts as views of
+    one ``[N, B, L + R]`` cache (copies where a build wants them dense). Planned once."""
+    import warnings
+
+    import flashinfer.mla
+    from pagedkv.backends.flashinfer.metadata import paged_kv_csr
+
+    s, common, device = problem.spec, problem.common, problem.query.device
+    lora = s.kv_lora_rank
+    assert lora is not None and s.qk_rope_head_dim is not None
+    cache = quantize_for_cache(problem.key_blocks[:, :, 0], s.cache_dtype, s.k_scale)
+    csr = paged_kv_csr(common.block_table, common.seq_lens_cpu.numpy(), s.block_size)
+    workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        wrapper.plan(
+            qo_indptr=common.query_start_loc, kv_indptr=csr.indptr.to(device),
+            kv_indices=csr.indices.to(device), kv_len_arr=common.seq_lens,
+            num_heads=s.num_heads, head_dim_ckv=lora, head_dim_kpe=s.qk_rope_head_dim,
+            page_size=s.block_size, causal=max(problem.workload.query_lens) > 1,
+            sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.cache_dtype,
+        )  # fmt: skip
+    q_nope, q_pe = problem.query[..., :lora], problem.query[..., lora:]
+    out = problem.query.new_empty(problem.query.shape[0], s.num_heads, lora)
+    parts = [cache[..., :lora], cache[..., lora:]]
+
+    def run() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return wrapper.run(q_nope, q_pe, parts[0], parts[1], out=out)
+
+    try:
+        run()
+    except Exception:  # a build that wants dense kv_c / k_pe caches: the same bytes, copied
+        parts[:] = [t.contiguous() for t in parts]
     return run
 
 

@@ -26,6 +26,12 @@ class Layer:
     block_size: int = 16
     dtype: str = "bf16"
     kv_cache_dtype: str = "auto"
+    # MLA (a latent row of kv_lora_rank + qk_rope_head_dim per token, one KV head; the
+    # query absorbed): both set, head_size their sum; the softmax scale of the model's
+    # q_nope + q_pe width
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    scale: float | None = None
 
     def spec(self) -> AttentionSpec:
         return AttentionSpec(
@@ -35,10 +41,18 @@ class Layer:
             dtype=DTYPES[self.dtype],
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
+            scale=self.scale,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
         )
 
     def describe(self) -> str:
         cache = "" if self.kv_cache_dtype == "auto" else f" {self.kv_cache_dtype}"
+        if self.kv_lora_rank is not None:
+            return (
+                f"MLA H{self.num_heads} L{self.kv_lora_rank}+R{self.qk_rope_head_dim} "
+                f"B{self.block_size} {self.dtype}{cache}"
+            )
         return (
             f"Hq{self.num_heads}/Hkv{self.num_kv_heads} D{self.head_size} B{self.block_size} "
             f"{self.dtype}{cache}"
@@ -118,6 +132,14 @@ def mixed(
 BASE = Layer()
 
 
+def mla_layer(num_heads: int, lora: int, rope: int, nope: int, **more: object) -> Layer:
+    """An MLA layer: ``nope`` + ``rope`` the query's width before absorption (its scale)."""
+    return Layer(
+        num_heads=num_heads, num_kv_heads=1, head_size=lora + rope, kv_lora_rank=lora,
+        qk_rope_head_dim=rope, scale=(nope + rope) ** -0.5, **more,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 def _matrix() -> dict[str, list[Workload]]:
     d64 = Layer(head_size=64, block_size=32)
     d256 = Layer(head_size=256, num_heads=16, num_kv_heads=4)
@@ -157,7 +179,26 @@ def _matrix() -> dict[str, list[Workload]]:
         mixed("tiny-mixed", 3, 40, ((30, 17),), tiny, seed=1),
         spec_decode("tiny-spec", 2, 40, 3, tiny, seed=2),
     ]
-    return {"core": core, "standard": core + serving, "tiny": cpu}
+    # DeepSeek V2/V3: 128 heads (16 under 8-way tensor parallelism), latent 512 + 64
+    deepseek = mla_layer(128, 512, 64, 128, block_size=64)
+    deepseek_tp8 = mla_layer(16, 512, 64, 128, block_size=64)
+    mla = [
+        uniform("mla-decode-64x4096", 64, 4096, 1, deepseek, "decode"),
+        uniform("mla-decode-256x1024", 256, 1024, 1, deepseek, "decode"),
+        uniform("mla-decode-4x32k", 4, 32768, 1, deepseek, "decode"),
+        uniform("mla-decode-1x32k", 1, 32768, 1, deepseek, "decode"),
+        ragged_decode("mla-ragged-decode-256", 256, 1024, 32768, deepseek, seed=14),
+        ragged_decode("mla-tp8-ragged-decode-64", 64, 2048, 32768, deepseek_tp8, seed=15),
+        mixed("mla-mixed-64d+1chunk", 64, 2048, ((4096, 512),), deepseek, seed=16),
+    ]
+    tiny_mla = mla_layer(8, 64, 16, 32, block_size=16, dtype="fp32")
+    cpu_mla = [
+        uniform("tiny-mla-decode", 3, 90, 1, tiny_mla, "decode"),
+        mixed("tiny-mla-mixed", 3, 40, ((30, 9),), tiny_mla, seed=3),
+    ]
+    return {
+        "core": core, "standard": core + serving, "tiny": cpu, "mla": mla, "tiny-mla": cpu_mla,
+    }  # fmt: skip
 
 
 MATRICES = _matrix()
