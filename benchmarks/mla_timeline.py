@@ -53,8 +53,7 @@ def _stamp(Stamps, prog, slot):
 _PATCHES = [
     ("# shared-memory barriers between the two warpgroups\n",
      _STAMP + "# shared-memory barriers between the two warpgroups\n"),
-    ("qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h) = a",
-     "qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps, prog) = a"),
+    ("stride_o_h) = a", "stride_o_h, Stamps, prog) = a"),
     ("        s = warpgroup_mma_wait(0, deps=[s])\n",
      "        s = warpgroup_mma_wait(0, deps=[s])\n"
      "        if i == 0:\n"
@@ -78,9 +77,7 @@ _PATCHES = [
      "    mbarrier.wait(q_bar, 0, pred=n_iter > 0)\n"
      "    if WG == 0:\n"
      f"        _stamp(Stamps, prog, {QUERY})\n"),
-    ("q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip",
-     "q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h, Stamps,"
-     " prog)  # fmt: skip"),
+    ("stride_o_h)  # fmt: skip", "stride_o_h, Stamps, prog)  # fmt: skip"),
 ]  # fmt: skip
 
 

@@ -173,8 +173,9 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
                CAUSAL: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """The program of warpgroup WG (0 or 1); see the module doc for the schedule."""
     (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, q_bar,
-     half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start, q_len,
-     qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h) = a  # fmt: skip
+     half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len,
+     q_start, q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t,
+     stride_o_h) = a  # fmt: skip
     dtype: gl.constexpr = half_desc.dtype
     HALF: gl.constexpr = L // 2
     W: gl.constexpr = half_desc.block_type.shape[1]  # latent columns per TMA piece
@@ -411,8 +412,9 @@ def _mla_attention_sm90(
                        half, L)  # fmt: skip
 
     a = (q_nope_s, q_rope_s, kn_ring, kr_ring, p_s, stats, load_bars, sync_bars, q_bar,
-         half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len, q_start,
-         q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t, stride_o_h)  # fmt: skip
+         half_desc, rope_desc, table_row, kv_lo, kv_hi, n_iter, oob_row, row0, context_len,
+         q_start, q_len, qk_scale, split, ranges, partial0, Out, MidO, MidLse, stride_o_t,
+         stride_o_h)  # fmt: skip
     gl.warp_specialize(
         [
             (_warpgroup0, (a, NUM_HEADS, L, BLOCK_SIZE, TILE_M, TILE_N, ONE_SPLIT, CAUSAL)),

@@ -48,8 +48,9 @@ def work_list(
     """Every tile's ranges as work items, the longest first (a range of a cut request is
     ``keys_per_split`` keys, the others shorter: the longest-first order lets the short
     ones fill the last wave), ties range after range, in tile order (a request's tiles
-    of one range read the same latent rows: adjacent, they share them in L2). ``tiles``: ``tile_table``'s; ``num_tokens``: the
-    token rows the reduction covers (padding tokens have one range: nothing to merge)."""
+    of one range read the same latent rows: adjacent, they share them in L2).
+    ``tiles``: ``tile_table``'s; ``num_tokens``: the token rows the reduction covers
+    (padding tokens have one range: nothing to merge)."""
     ranges = request_ranges(seq_lens, keys_per_split)
     per_tile = ranges[tiles[0]]
     tile_of = np.repeat(np.arange(tiles.shape[1]), per_tile)
