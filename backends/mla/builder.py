@@ -121,9 +121,11 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         items, token_ranges = work.items, work.token_ranges
         num_splits, num_partials = work.num_splits, work.num_partials
         if bounds is None:
+            # both tables in one host-to-device copy
+            flat = to_device(np.concatenate([items.ravel(), token_ranges.ravel()]), self.device)
             items, token_ranges = (
-                to_device(items, self.device),
-                to_device(token_ranges, self.device),
+                flat[: items.size].view(items.shape),
+                flat[items.size :].view(token_ranges.shape),
             )
         else:
             # every step within the bounds: the grid of the most items, the kernels

@@ -279,6 +279,9 @@ def _warpgroup(a, NUM_HEADS: gl.constexpr, L: gl.constexpr, BLOCK_SIZE: gl.const
     # the ring is free: both warpgroups passed the sums' barrier after their last P·V,
     # and no load is in flight past the last pair
     out_stage = kn_ring.index(0).slice(WG * HALF, HALF, dim=1)
+    # the final rows' store twice: a one-split kernel has no `ranges` to test (a runtime
+    # test of a constant, with the partial branch beside it, crashed Triton 3.6's
+    # lowering to LLVM)
     if ONE_SPLIT:
         _store_rows(o.to(Out.dtype.element_ty), out_stage, Out, stride_o_t, stride_o_h, row0,
                     WG * HALF, q_start, q_len, NUM_HEADS, TILE_M, HALF, 8)  # fmt: skip
@@ -322,17 +325,18 @@ def _mla_attention_sm90(
     qp_desc,  # q_pe [T, H, R], the same box but R wide
     half_desc,  # the cache as [num_blocks * BLOCK_SIZE, L + R], box [TILE_N, piece_width(L)]
     rope_desc,  # the same rows, box [TILE_N, R]
-    BlockTable,  # [num_reqs, max_blocks] int32
-    SeqLens,  # [num_reqs] int32
-    QueryStartLoc,  # [num_reqs + 1] int32
-    TileReq,  # [items] int32: the request of each work item
-    TileRow0,  # [items] int32: its tile's first row (token-in-request * H + head)
-    TileSplit,  # [items] int32: its key range
-    TokenRanges,  # [T] int32: the ranges of each token's request (1: output written here)
-    TokenPartial,  # [T] int32: the token's first partial slot (its ranges' slots follow)
-    Out,  # [T, H, L]
-    MidO,  # [partials, H, L] float32 (not ONE_SPLIT)
-    MidLse,  # [partials, H] float32, log2 domain (not ONE_SPLIT)
+    # the step's tables, work items, partial slots and output: _mla_attention's
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    TileReq,
+    TileRow0,
+    TileSplit,
+    TokenRanges,
+    TokenPartial,
+    Out,
+    MidO,
+    MidLse,
     stride_bt,
     stride_o_t,
     stride_o_h,
