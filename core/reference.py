@@ -47,16 +47,20 @@ def _one_request(
     spec: AttentionSpec,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    q_len, seq_len = q.shape[0], k.shape[0]
-    group = spec.num_heads // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scale
+    q_len, seq_len, kv_heads = q.shape[0], k.shape[0], k.shape[1]
+    group = spec.num_heads // kv_heads
+    # query head h reads KV head h // group (grouped, not repeated: an MLA layer's one
+    # latent head would otherwise be copied for each of its 128 query heads)
+    grouped = q.reshape(q_len, kv_heads, group, q.shape[-1])
+    scores = torch.einsum("qngd,knd->ngqk", grouped, k).reshape(spec.num_heads, q_len, seq_len)
+    scores = scores * spec.scale
     if spec.logits_soft_cap is not None:
         scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
-    q_pos = torch.arange(seq_len - q_len, seq_len, dtype=torch.float64)[:, None]
-    k_pos = torch.arange(seq_len, dtype=torch.float64)[None, :]
-    visible = torch.ones(q_len, seq_len, dtype=torch.bool)
+    # (on the inputs' device: the reference runs where they are, e.g. a GPU's float64)
+    device = q.device
+    q_pos = torch.arange(seq_len - q_len, seq_len, dtype=torch.float64, device=device)[:, None]
+    k_pos = torch.arange(seq_len, dtype=torch.float64, device=device)[None, :]
+    visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
     if spec.causal:
         visible &= k_pos <= q_pos
     if spec.sliding_window is not None:
@@ -64,7 +68,7 @@ def _one_request(
         if not spec.causal:
             visible &= (k_pos - q_pos) < spec.sliding_window
     if spec.alibi_slopes is not None:
-        slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64)[:, None, None]
+        slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64, device=device)[:, None, None]
         scores = scores + slopes * (k_pos - q_pos)[None]
     scores = scores.masked_fill(~visible[None], float("-inf"))
     if sinks is not None:
@@ -74,7 +78,8 @@ def _one_request(
     weights = torch.exp(scores - row_max)
     weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     weights = weights[..., :seq_len]  # the sink takes probability mass but has no value
-    return torch.einsum("hqk,khd->qhd", weights, v)
+    weights = weights.reshape(kv_heads, group, q_len, seq_len)
+    return torch.einsum("ngqk,knd->qngd", weights, v).reshape(q_len, spec.num_heads, v.shape[-1])
 
 
 def reference_mla(

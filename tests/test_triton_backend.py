@@ -29,6 +29,7 @@ from pagedkv import (
 from pagedkv.backends.triton.attention_kernel import fp16_rows
 from pagedkv.backends.triton.builder import TritonMetadataBuilder
 from pagedkv.backends.triton.configs import (
+    SPLIT_PARTIAL_BYTES,
     SPLIT_POLICY,
     LaunchForm,
     LayerShape,
@@ -37,6 +38,7 @@ from pagedkv.backends.triton.configs import (
     fits,
     graph_items,
     key_range_estimates,
+    partial_bytes_per_split,
     plan_step,
     plan_tiles,
     slots_per_sm,
@@ -395,6 +397,44 @@ def test_eager_key_ranges_may_fall_between_powers_of_two():
     estimates = key_range_estimates(H200_LAYER, _step(seq_lens, [1] * 16), plan.tile, ranges,
                                     H200_SMS, fit)  # fmt: skip
     assert ranges[int(np.argmin(estimates))] == 20 * 64, dict(zip(ranges, estimates))
+
+
+def test_decodes_beside_a_chunk_take_powers_of_two_ranges():
+    """The decodes of a two-part step share the GPU with the chunk (the impl's two
+    streams), so the 1.25x-1.75x ranges, which fit the whole GPU's waves, are not
+    compared: the same decodes as above, alone 20 tiles a range, take a power of two of
+    the tile before a 256-query chunk (H200, mixed-16d+1chunk: eager 142 -> 130 us)."""
+    seq_lens = [1237, 1659, 592, 3675, 2235, 1093, 3881, 855, 31622, 3561, 2074, 1949,
+                2302, 10561, 2099, 2760]  # fmt: skip
+    step = _step([*seq_lens, 4352], [*[1] * 16, 256])
+    fit = h200_fits("bf16")
+    decodes, _ = plan_step(H200_LAYER, step, H200_SMS, fit=fit)
+    tiles = decodes.plan.tiles_per_split
+    assert tiles > 0 and tiles & (tiles - 1) == 0, decodes.plan
+    (alone,) = plan_step(H200_LAYER, _step(seq_lens, [1] * 16), H200_SMS, fit=fit)
+    assert alone.plan.tiles_per_split == 20, alone.plan
+
+
+def test_eager_splits_keep_their_partials_within_the_graph_plans_budget():
+    """A decode-like step of many tokens splits no further than its partial results fit
+    ``SPLIT_PARTIAL_BYTES``, eagerly as under a CUDA-graph reservation: speculative
+    decoding, 64 requests x 4 tokens x 32 heads, at most 15 splits (H200: the uncapped
+    rule's 1280-key ranges, 18 splits, ran 294 us; 2048-key ranges 279)."""
+    rng = np.random.default_rng(5)
+    seq_lens = np.minimum(32768, (rng.lognormal(0, 1, 64) * 2048).astype(int) + 4).tolist()
+    fit = h200_fits("bf16")
+    budget = SPLIT_PARTIAL_BYTES // partial_bytes_per_split(H200_LAYER, 256)
+    assert budget == 15
+    plan = _plan(H200_LAYER, seq_lens, [4] * 64, fit=fit)
+    assert 1 < plan.num_splits <= budget, plan
+    assert plan.num_splits * plan.tiles_per_split * plan.tile.tile_n >= max(seq_lens)
+    # a CUDA-graph plan of bounds that hold the step: the same limit
+    bounds = _step([max(seq_lens)] * 64, [4] * 64)
+    graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
+    assert graph.num_splits == budget, graph
+    # a step of few tokens keeps the policy's maximum
+    one = _plan(H200_LAYER, [32768], [1], fit=fit)
+    assert one.num_splits == SPLIT_POLICY.max_splits
 
 
 def test_key_ranges_are_estimated_with_their_own_launchs_occupancy():

@@ -105,9 +105,14 @@ SPLIT_POLICY = SplitPolicy(max_query_len=8, min_keys_per_split=512, max_splits=6
 # A program's fixed cost (query load, first page-table lookups, epilogue), in keys
 # streamed: about one 64-key tile (to measure).
 PROGRAM_OVERHEAD_KEYS = 64
-# Longer queries (chunked prefill beside few other requests) split as far as their
-# partial results stay within this size.
-LONG_QUERY_SPLIT_BYTES = 64 << 20
+# A step splits as far as its partial results stay within this size: a chunked prefill's
+# (its every query row), a CUDA-graph plan's (scratch sized once for the bounds' every
+# token) and an eager decode-like step's alike, so that a step's eager and graph plans
+# choose from the same splits. A step of many tokens pays for its partials in the merge
+# more than the estimate charges: H200, speculative decoding 64x4 (256 tokens x 32
+# heads: at most 15 splits), 2048-key ranges ran 279 us, the 1280-key ranges the
+# uncapped rule chose 294 (docs/results/sweep-h200-twelfth-key-ranges.json)
+SPLIT_PARTIAL_BYTES = 64 << 20
 # The batch-invariant mode's split: a fixed key range per split, whatever the batch and
 # the GPU (as many programs per request as the default gives one long request).
 BATCH_INVARIANT_KEYS_PER_SPLIT = 512
@@ -126,7 +131,12 @@ GRAPH_ITEM_WAVES = 16
 # ranges instead of 2048: 190 -> 216 us; undone by the ranges' tail,
 # split_kv.RANGE_TAIL_SHARE: 191 us). A CUDA-graph step keeps powers of two: with the
 # waves' tail the finer ranges were slower on 7 of 9 graph rows; with the ranges' tail
-# faster on 3 of 4 (0.6-1.7%), too few to change them (docs/triton.md)
+# faster on 3 of 4 (0.6-1.7%), too few to change them (docs/triton.md). Nor does a part
+# of a two-part step (``plan_step``): the impl overlaps its parts on two streams, so the
+# waves the finer ranges fill, the whole GPU's, are not the part's (H200, nineteenth
+# session: mixed 16+1 eager 142 -> 130 us with powers of two, mixed 96+2 331 -> 324;
+# docs/benchmarks.md); run one after the other (overlap_parts=false) the plan is the
+# same, so that the option changes the streams only
 EAGER_RANGE_MULTIPLES = (1.0, 1.25, 1.5, 1.75)
 
 
@@ -581,7 +591,8 @@ def plan_step(
     their large tiles; any other step, a CUDA-graph step (``bounded``: one plan for
     every step within the bounds), a batch-invariant one or a forced tile gets one.
     ``fit``: the compiled kernels' registers (``FitSource``); ``listing``: fixed key
-    ranges may be launched as a list of work items (``range_list_choice``)."""
+    ranges may be launched as a list of work items (``range_list_choice``). The parts
+    of a two-part step take key ranges of powers of two (``EAGER_RANGE_MULTIPLES``)."""
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits or forced_keys):
@@ -590,6 +601,7 @@ def plan_step(
         if len(changes) == 1:
             cut = int(changes[0]) + 1
             parts = [(0, cut), (cut, n)]
+    multiples = (1.0,) if len(parts) == 2 else EAGER_RANGE_MULTIPLES
     return tuple(
         StepPart(
             first,
@@ -605,6 +617,7 @@ def plan_step(
                 bounded=bounded,
                 fit=fit,
                 listing=listing,
+                range_multiples=multiples,
             ),
         )
         for first, end in parts
@@ -623,11 +636,13 @@ def plan_tiles(
     bounded: bool = False,
     fit: FitSource | None = None,
     listing: bool = True,
+    range_multiples: tuple[float, ...] = EAGER_RANGE_MULTIPLES,
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
     of that many keys; ``bounded``: a CUDA-graph plan, whose scratch is sized once,
-    splits decode-like steps only)."""
+    splits decode-like steps only; ``range_multiples``: an eager step's key ranges,
+    ``makespan_splits``')."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
@@ -659,7 +674,7 @@ def plan_tiles(
         choice = makespan_splits(
             layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
             key_ranges=not bounded, listing=listing,
-            range_multiples=EAGER_RANGE_MULTIPLES,  # key_ranges: eager steps only
+            range_multiples=range_multiples,  # key_ranges: eager steps only
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
@@ -707,11 +722,11 @@ def graph_split_limit(
     """The most splits any decode-like step within CUDA-graph bounds (``bounds``: the
     bounds as a step, ``StepShape.of_bounds``) may choose: those of one request of the
     longest sequence, as far as the partials of the bounds' every token stay within
-    ``LONG_QUERY_SPLIT_BYTES``."""
+    ``SPLIT_PARTIAL_BYTES``."""
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
     most = makespan_splits(layer, one, tile, block_q, num_sms, fit=fit).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
-    return min(most, splits_within(LONG_QUERY_SPLIT_BYTES, split_bytes))
+    return min(most, splits_within(SPLIT_PARTIAL_BYTES, split_bytes))
 
 
 def step_splits(
@@ -813,10 +828,10 @@ def makespan_splits(
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
-    Decode-like steps may split up to the policy's maximum (or ``max_splits``); longer
-    queries (chunked prefills) too, as far as their partial results stay within
-    ``LONG_QUERY_SPLIT_BYTES``, except under a CUDA-graph reservation (its scratch is
-    sized for decode-like steps). ``key_ranges``: a split may also be a fixed key range
+    Decode-like steps may split up to the policy's maximum (or ``max_splits``), longer
+    queries (chunked prefills) too except under a CUDA-graph reservation (its scratch is
+    sized for decode-like steps), either as far as their partial results stay within
+    ``SPLIT_PARTIAL_BYTES``. ``key_ranges``: a split may also be a fixed key range
     of every sequence (the toolkit rule's ``key_ranges``), which balances a ragged batch
     (not with a sliding window: a range is absolute, the grid would have to cover the
     keys before the window). ``listing``: a step of one query block per request then
@@ -824,12 +839,11 @@ def makespan_splits(
     ``max_items`` of them (a CUDA-graph grid's). ``range_multiples``: the key ranges
     compared, powers of two of the tile times each of these."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
+    limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
-        limit = SPLIT_POLICY.max_splits
+        limit = min(limit, SPLIT_POLICY.max_splits)
     elif bounded:
         limit = 1
-    else:
-        limit = splits_within(LONG_QUERY_SPLIT_BYTES, split_bytes)
     if max_splits is not None:
         limit = min(limit, max_splits)
     key_ranges = key_ranges and layer.window is None
