@@ -641,8 +641,8 @@ def plan_tiles(
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
     of that many keys; ``bounded``: a CUDA-graph plan, whose scratch is sized once,
-    splits decode-like steps only; ``range_multiples``: an eager step's key ranges,
-    ``makespan_splits``')."""
+    splits decode-like steps only; ``range_multiples``: the multiples of powers of two
+    an eager step's key ranges compare, ``makespan_splits``')."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
