@@ -61,9 +61,7 @@ def test_backends_fits_the_terminal_and_shows_notes(capsys, monkeypatch, columns
     flat = " ".join(out.split())  # undo the wrapping
     # the reasons and the notes, in full
     assert "notes: " in flat or "\nnotes:" in out
-    assert (
-        "pallas: no CUDA graphs: the kernel runs on JAX's stream, outside torch's capture" in flat
-    )
+    assert "pallas: CUDA graphs with the direct launcher (the default on CUDA)" in flat
     assert "flashinfer (pagedkv " in flat and "flashinfer-python is not installed" in flat
 
 
@@ -75,7 +73,8 @@ def test_backends_wide_and_json(capsys):
     assert "alibi, fp8_kv, logits_soft_cap, non_causal, sinks, sliding_window" in torch_line
     assert main(["backends", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert records["pallas"]["notes"][0].startswith("no CUDA graphs")
+    assert records["pallas"]["notes"][0].startswith("CUDA graphs with the direct launcher")
+    assert records["pallas"]["capabilities"]["cuda_graph"] == "mixed"
     assert records["torch"]["capabilities"]["devices"] == ["cpu", "cuda"]
     assert records["torch"]["warnings"] == []
 

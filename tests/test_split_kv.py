@@ -121,7 +121,8 @@ def _naive_merge(parts, lse, indptr, sinks, rows):
             if k1 == k0 or torch.isneginf(logits).all():
                 continue
             w = torch.softmax(logits, 0)[: k1 - k0]
-            out[t, h] = (w[:, None] * parts[k0:k1, h].double()).sum(0)
+            kept = ~torch.isneginf(lse[k0:k1, h])  # a slice without keys adds nothing
+            out[t, h] = (w[kept, None] * parts[k0:k1, h][kept].double()).sum(0)
     return out
 
 
@@ -131,8 +132,9 @@ def _merge_case(with_sinks):
     indptr = [0, 3, 4, 4, 9, 10, 47]
     parts = torch.randn(48, 3, 20, generator=gen)  # one trailing padding row
     lse = torch.randn(48, 3, generator=gen) * 4
-    lse[3, 1] = -math.inf  # a slice without keys
+    lse[3, 1] = -math.inf  # a slice without keys: its partial may be unwritten
     lse[9, :] = -math.inf  # a row without keys at all
+    parts[3, 1] = parts[9] = math.nan
     sinks = torch.randn(3, generator=gen) if with_sinks else None
     return parts, lse, torch.tensor(indptr, dtype=torch.int32), sinks
 

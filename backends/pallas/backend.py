@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -23,10 +24,14 @@ MAX_HEAD_SIZE = 256
 
 
 class PallasBackend(AttentionBackend):
-    """A JAX Pallas kernel over the torch-owned cache, reached through DLPack (no copy).
+    """A JAX Pallas kernel over the torch-owned cache.
 
-    CPU tensors run in Pallas interpret mode (slow: for tests and CI); CUDA tensors
-    run the Pallas Triton lowering.
+    CPU tensors run in Pallas interpret mode through JAX (slow: for tests and CI).
+    CUDA tensors run the kernel's Pallas Triton lowering: by default launched from
+    torch (option ``launcher``: "direct", module ``direct``: the module JAX's lowering
+    makes, compiled by Triton, on torch's stream, capturable in CUDA graphs), or
+    through JAX's runtime ("jax": DLPack views of the torch tensors, no copy, on JAX's
+    stream: no CUDA graphs).
     """
 
     name = "pallas"
@@ -50,10 +55,11 @@ class PallasBackend(AttentionBackend):
             }
         ),
         devices=frozenset({"cpu", "cuda"}),
-        # the kernel runs on JAX's stream, which a torch CUDA graph does not capture
-        cuda_graph=GraphSupport.NEVER,
+        # the direct launcher's (the default on CUDA); launcher=jax: never
+        cuda_graph=GraphSupport.MIXED,
         notes=(
-            "no CUDA graphs: the kernel runs on JAX's stream, outside torch's capture",
+            "CUDA graphs with the direct launcher (the default on CUDA); launcher=jax runs "
+            "on JAX's stream, outside torch's capture",
             "head sizes are padded to a power of two (>= 16) inside the kernel",
         ),
     )
@@ -78,8 +84,18 @@ class PallasBackend(AttentionBackend):
             minimum=0,
             maximum=configs.SPLIT_POLICY.max_splits,
         ),
+        "launcher": BackendOption(
+            "auto",
+            "Who launches the kernel on CUDA: direct (Triton's launcher on torch's stream, "
+            "CUDA graphs), jax (JAX's runtime, on its stream), auto (direct where this JAX's "
+            "lowering can be caught)",
+            choices=("auto", "direct", "jax"),
+        ),
         "num_warps": BackendOption(
-            configs.NUM_WARPS, "Triton warps per program (GPU)", kind=int, minimum=1
+            0,
+            "Triton warps per program (GPU); 0: by the tile (configs.num_warps)",
+            kind=int,
+            minimum=0,
         ),
         "num_stages": BackendOption(
             configs.NUM_STAGES, "Triton pipeline stages (GPU)", kind=int, minimum=1
@@ -93,6 +109,14 @@ class PallasBackend(AttentionBackend):
             value = int(self.options[key])
             if value and (value < 16 or value & (value - 1)):
                 raise ConfigError(f"option {key}={value}: expected a power of two >= 16")
+        if self.options["launcher"] == "jax" or (
+            self.options["launcher"] == "auto" and _direct_unavailable()
+        ):
+            self.capabilities = replace(
+                type(self).capabilities,
+                cuda_graph=GraphSupport.NEVER,
+                notes=("no CUDA graphs: the kernel runs on JAX's stream, outside torch's capture",),
+            )
 
     # -- parts ------------------------------------------------------------------------
 
@@ -118,6 +142,17 @@ class PallasBackend(AttentionBackend):
             if why:
                 reasons.append(why)
         return reasons
+
+
+def _direct_unavailable() -> str | None:
+    """Why the direct launcher cannot run here (JAX missing, or its lowering cannot be
+    caught), or None."""
+    missing = jax_missing()
+    if missing:
+        return missing
+    from pagedkv.backends.pallas.direct import capture_unavailable
+
+    return capture_unavailable()
 
 
 @functools.cache

@@ -17,20 +17,42 @@ from pagedkv.errors import ConfigError, UnsupportedError
 from pagedkv.intmath import cdiv
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.split_kv import num_sms
+from pagedkv.transfer import to_device
 
 
 @dataclass(frozen=True)
 class PallasMetadata(BackendMetadata):
-    """One step for the kernel: ``common`` (the step) plus its JAX arrays and tiling."""
+    """One step for the kernel: ``common`` (the step) plus its arrays and tiling."""
 
-    arrays: StepArrays  # int32, on ``jax_device`` (DLPack views of the torch tensors)
-    jax_device: jax.Device
+    # int32: JAX arrays on ``jax_device`` (the JAX launcher: DLPack views of the torch
+    # tensors), or torch tensors on the step's device aligned for the direct launcher
+    arrays: StepArrays
+    jax_device: jax.Device | None  # the JAX launcher's device
     block_q: int  # query tokens per tile
     block_n: int  # keys per inner-loop step
     num_splits: int  # KV splits per tile (the policy's choice)
     split_slots: int  # programs per tile along the keys: num_splits rounded up
     target: str  # "interpret" (CPU) or "triton" (CUDA)
+    launcher: str = "jax"  # "jax", or "direct" (module direct: on torch's stream)
+    # the direct launcher with splits: the merge of the partials into a forward's output
+    merge: SplitMerge | None = None
+
+
+@dataclass(frozen=True)
+class SplitMerge:
+    """The direct launcher's partial results of a split step (one per row and slot, a
+    row's slots consecutive: the toolkit merge's layout) and their merge."""
+
+    partial: torch.Tensor  # [T, slots, num_heads, head_pad] float32
+    lse: torch.Tensor  # [T, slots, num_heads] float32
+    launch: KernelLaunch  # merge_by_lse without its output (triton_lse_merge.output_args)
+
+
+# Byte alignment of the step's arrays: the direct launcher's kernel declares its pointers
+# 32-byte aligned (direct.DEFAULT_ALIGNMENT); DLPack views on a CPU need 64
+PACKED_ALIGNMENT = 64
 
 
 def num_tiles_bound(num_tokens: int, num_reqs: int, block_q: int) -> int:
@@ -63,12 +85,20 @@ def plan_tiles(
 class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
     """Cuts each request's query rows into tiles of ``block_q`` tokens and chooses the
     split count (``configs.choose_splits``: the toolkit's makespan rule). Options:
-    ``block_m``, ``block_n`` and ``num_splits`` (0 = chosen per step)."""
+    ``block_m``, ``block_n``, ``num_splits`` (0 = chosen per step) and ``launcher``.
+
+    Under a CUDA-graph reservation the launch's shape must not change
+    from step to step: the tile height comes from the bounds' longest query and the
+    split slots from the bounds (``configs.graph_split_slots``); each step's split count
+    (at most the slots) is an input the kernel reads."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, **options: Any) -> None:
         super().__init__(spec, device, **options)
         interop.configure_jax()  # before this builder's first JAX computation
         self.target = "interpret" if self.device.type == "cpu" else "triton"
+        from pagedkv.backends.pallas.direct import resolve_launcher
+
+        self.launcher = resolve_launcher(str(options.get("launcher") or "auto"), self.device)
         self.group_pad = configs.padded_group(spec.num_queries_per_kv)
         self.block_m = int(options.get("block_m") or 0)
         self.block_n = int(options.get("block_n") or configs.default_block_n(spec.head_size))
@@ -89,9 +119,12 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
             raise UnsupportedError(
                 f"metadata is on {common.device}, this builder was made for {self.device}"
             )
+        bounds = self.graph_bounds
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
         max_query_len = int(query_lens.max(initial=0))
-        block_q = configs.block_q(max_query_len, self.group_pad, self.block_m)
+        # a graph's launch keeps the tile height of the bounds' longest query
+        tiled_query_len = bounds.max_query_len if bounds is not None else max_query_len
+        block_q = configs.block_q(tiled_query_len, self.group_pad, self.block_m)
         tile_req, tile_qstart = plan_tiles(query_lens, common.num_tokens, block_q)
         seq_lens = common.seq_lens_cpu.numpy()
         splits = configs.choose_splits(
@@ -107,7 +140,41 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
             forced=configs.check_num_splits(num_splits or 0, "build(num_splits)")
             or self.forced_splits,
         ).num_splits
-
+        slots = configs.split_slots(splits)
+        if bounds is not None:
+            slots = configs.graph_split_slots(
+                bounds,
+                num_heads=self.spec.num_heads,
+                num_kv_heads=self.spec.num_kv_heads,
+                head_size=self.spec.head_size,
+                num_tiles=tile_req.shape[0],
+                num_sms=self.num_sms,
+            )
+            splits = min(splits, slots)
+        plan = dict(
+            common=common,
+            block_q=block_q,
+            block_n=self.block_n,
+            num_splits=splits,
+            split_slots=slots,
+            target=self.target,
+        )
+        if self.launcher == "direct":
+            return self._direct_metadata(common, tile_req, tile_qstart, plan)
+        if self.graph_bounds is not None:
+            # views of the persistent buffers, so a replay reads the step built last
+            # (the CPU's emulated replay of the contract's graph path)
+            names = ("tile_req", "tile_qstart", "num_splits")
+            tiles = self._packed_tiles(tile_req, tile_qstart, plan["num_splits"])
+            viewed = {n: interop.to_jax(t, n) for n, t in zip(names, tiles)}
+            arrays = StepArrays(
+                query_start_loc=interop.to_jax(common.query_start_loc, "query_start_loc"),
+                seq_lens=interop.to_jax(common.seq_lens, "seq_lens"),
+                block_table=interop.to_jax(common.block_table, "block_table"),
+                **viewed,
+            )
+            device = next(iter(arrays.block_table.devices()))
+            return PallasMetadata(arrays=arrays, jax_device=device, **plan)
         block_table = interop.to_jax(common.block_table, "block_table", allow_copy=True)
         device = next(iter(block_table.devices()))
         arrays = StepArrays(
@@ -120,13 +187,78 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
             block_table=block_table,
             num_splits=jax.device_put(np.array([splits], np.int32), device),
         )
-        return PallasMetadata(
-            common=common,
-            arrays=arrays,
-            jax_device=device,
-            block_q=block_q,
-            block_n=self.block_n,
-            num_splits=splits,
-            split_slots=configs.split_slots(splits),
-            target=self.target,
+        return PallasMetadata(arrays=arrays, jax_device=device, **plan)
+
+    def _packed_tiles(
+        self, tile_req: np.ndarray, tile_qstart: np.ndarray, num_splits: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tile_req, tile_qstart, num_splits) on the device in one host-to-device copy,
+        each at an offset aligned to ``PACKED_ALIGNMENT``; under a CUDA-graph reservation
+        in one persistent buffer."""
+        align = PACKED_ALIGNMENT // 4  # int32 elements
+        stride = cdiv(tile_req.shape[0], align) * align
+        host = np.zeros(2 * stride + align, np.int32)
+        host[: tile_req.shape[0]] = tile_req
+        host[stride : stride + tile_qstart.shape[0]] = tile_qstart
+        host[2 * stride] = num_splits
+        if self.graph_bounds is None:
+            packed = to_device(host, self.device)
+        else:
+            packed = self.scratch("pallas_tiles", host.shape, torch.int32)
+            packed.copy_(torch.from_numpy(host), non_blocking=True)
+        return (
+            packed[: tile_req.shape[0]],
+            packed[stride : stride + tile_qstart.shape[0]],
+            packed[2 * stride : 2 * stride + 1],
         )
+
+    def _direct_metadata(
+        self,
+        common: CommonAttentionMetadata,
+        tile_req: np.ndarray,
+        tile_qstart: np.ndarray,
+        plan: dict[str, Any],
+    ) -> PallasMetadata:
+        """The step's arrays as torch tensors for the direct launcher: the tiles and the
+        split count packed (``_packed_tiles``), the step's own tensors where they are
+        contiguous and aligned (copies otherwise)."""
+        tiles = self._packed_tiles(tile_req, tile_qstart, plan["num_splits"])
+        arrays = StepArrays(
+            tile_req=tiles[0],
+            tile_qstart=tiles[1],
+            query_start_loc=_aligned(common.query_start_loc, "query_start_loc"),
+            seq_lens=_aligned(common.seq_lens, "seq_lens"),
+            block_table=_aligned(common.block_table, "block_table"),
+            num_splits=tiles[2],
+        )
+        slots = plan["split_slots"]
+        merge = self._split_merge(common.num_tokens, slots) if slots > 1 else None
+        return PallasMetadata(
+            arrays=arrays, jax_device=None, launcher="direct", merge=merge, **plan
+        )
+
+    def _split_merge(self, num_tokens: int, slots: int) -> SplitMerge:
+        from pagedkv.toolkit.triton_lse_merge import merge_template
+
+        heads, head_size = self.spec.num_heads, self.spec.head_size
+        head_pad = configs.head_pad(head_size)
+        partial = self.scratch(
+            "pallas_partial", (num_tokens, slots, heads, head_pad), torch.float32
+        )
+        lse = self.scratch("pallas_lse", (num_tokens, slots, heads), torch.float32)
+        indptr = self.scratch("pallas_merge_indptr", (num_tokens + 1,), torch.int32)
+        # every row merges its own slots (slots past the step's split count: LSE -inf)
+        torch.arange(0, (num_tokens + 1) * slots, slots, dtype=torch.int32, out=indptr)
+        rows = partial.view(num_tokens * slots, heads, head_pad)[..., :head_size]
+        launch = merge_template(rows, lse.view(num_tokens * slots, heads), indptr, num_tokens, None)
+        return SplitMerge(partial, lse, launch)
+
+
+def _aligned(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` as the direct launcher reads it: int32, contiguous and aligned as the
+    kernel's module declares (a copy otherwise)."""
+    if tensor.dtype != torch.int32:
+        raise UnsupportedError(f"{name}: expected int32, got {tensor.dtype}")
+    if not tensor.is_contiguous() or tensor.data_ptr() % PACKED_ALIGNMENT:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor

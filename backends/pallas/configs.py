@@ -8,9 +8,19 @@ module is loaded. Measured on an H200 (bf16, Hq 32 or 64 over Hkv 8, head 128, b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from pagedkv.errors import ConfigError
-from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split
+from pagedkv.toolkit.split_kv import (
+    SplitChoice,
+    SplitPolicy,
+    merge_keys_per_split,
+    splits_within,
+)
+
+if TYPE_CHECKING:
+    from pagedkv.graph import GraphBounds
 
 # Rows of one tile = query tokens x the query heads of one KV head (GQA packed into
 # the rows, the group padded to a power of two). Decode-like batches, whose longest
@@ -20,18 +30,31 @@ from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_sp
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
 
-# Triton launch parameters of the GPU lowering.
+# Triton launch parameters of the GPU lowering (warps: ``num_warps``).
 NUM_WARPS = 4
 NUM_STAGES = 2
+# The largest fp32 accumulator (tile rows x padded head) 4 warps hold: 64 registers a
+# thread. A 64 x 256 tile at 4 warps spilled inside the key loop (sm_90 compile,
+# tests/test_pallas_direct.py); at 8 it does not.
+ACCUMULATOR_ELEMENTS_PER_4_WARPS = 64 * 128
+
+
+def num_warps(block_m: int, head_size: int) -> int:
+    """Warps of a program whose tile has ``block_m`` rows: twice as many past the
+    accumulator 4 warps hold."""
+    if block_m * head_pad(head_size) <= ACCUMULATOR_ELEMENTS_PER_4_WARPS:
+        return NUM_WARPS
+    return 2 * NUM_WARPS
+
 
 # Flash-decoding. H200 kernel times for 1 x 32k decode (8 programs unsplit): 64 splits
 # 36 us, 32 splits 42 us, 16 splits 64 us; for 4 x 32k (32 programs): 16 splits 127 us,
 # 32 splits 128 us, 8 splits 152 us; 256 x 1024 (2048 programs): unsplit 250 us, 2
-# splits 261 us. Decode-like steps split by the toolkit's makespan rule (``choose_splits``:
-# a ragged batch's longest request is its critical path, which the count of programs
-# alone does not see); each split keeps at least 512 keys, at most 64 splits.
+# splits 261 us. Steps split by the toolkit's makespan rule (``choose_splits``: a ragged
+# batch's longest request is its critical path, which the count of programs alone does
+# not see); each split keeps at least 512 keys, at most 64 splits.
 SPLIT_POLICY = SplitPolicy(
-    max_query_len=8,
+    max_query_len=None,
     split_below_programs_per_sm=2.0,
     target_programs_per_sm=4.0,
     min_keys_per_split=512,
@@ -97,11 +120,14 @@ def choose_splits(
     num_sms: int,
     forced: int = 0,
 ) -> SplitChoice:
-    """A step's KV splits: forced, none for longer queries, else the toolkit's makespan
-    rule over the tiles' keys (``tile_keys``: the keys each query tile visits, for one KV
-    head; the kernel cuts every tile's range into even shares)."""
+    """A step's KV splits: forced, else the toolkit's makespan rule over the tiles' keys
+    (``tile_keys``: the keys each query tile visits, for one KV head; the kernel cuts
+    every tile's range into even shares), for every step: a mixed step's long decodes
+    are its critical path as a ragged batch's are (H200, mixed 16 + 1 chunk unsplit:
+    1128 us against the triton backend's 128), and a prefill's many tiles keep it
+    unsplit (the partials' merge counts in the rule)."""
     longest = int(np.max(tile_keys, initial=0))
-    if forced or max_query_len > SPLIT_POLICY.max_query_len or longest <= 0:
+    if forced or longest <= 0:
         return SPLIT_POLICY.choose(
             len(tile_keys) * num_kv_heads, max_query_len, longest, num_sms,
             forced=forced, granule=block_n,
@@ -124,3 +150,34 @@ def split_slots(num_splits: int) -> int:
     next power of two, so that serving sees a handful of compiled variants, not one per
     split count (programs past the step's split count attend an empty key range)."""
     return next_power_of_2(num_splits)
+
+
+# A CUDA graph's launch keeps the split slots of its capture: every step within the
+# bounds runs that many programs per tile along the keys (a step's split count, at most
+# the slots, is an input), and those past the step's count only mark their rows empty.
+# Each slot holds an fp32 partial row per token of the bounds; the slots stay within
+# this many bytes of partials (the triton backend's graph budget) ...
+GRAPH_PARTIAL_BYTES = 64 << 20
+# ... and within this many waves of programs (PROGRAMS_PER_SM on every SM): an idle
+# program still starts, reads its tile and stores its rows' log-sum-exp. At 32 slots a
+# 64 x 4096 decode graph (one split used) took 300.6 us against 252.4 eagerly (H200,
+# twentieth session, before idle programs skipped the query tile; docs/pallas.md).
+GRAPH_PROGRAM_WAVES = 8
+
+
+def graph_split_slots(
+    bounds: GraphBounds,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    num_tiles: int,
+    num_sms: int,
+) -> int:
+    """Split slots of a graph launch of ``num_tiles`` query tiles for steps within
+    ``bounds``: the most the policy, the partial budget and the program waves allow,
+    rounded down to a power of two."""
+    per_slot = bounds.max_num_tokens * num_heads * (head_pad(head_size) + 1) * 4
+    waves = GRAPH_PROGRAM_WAVES * PROGRAMS_PER_SM * num_sms // (num_tiles * num_kv_heads)
+    most = min(SPLIT_POLICY.max_splits, splits_within(GRAPH_PARTIAL_BYTES, per_slot), waves)
+    return 1 << (max(1, most).bit_length() - 1)

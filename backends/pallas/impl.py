@@ -14,11 +14,12 @@ import jax
 import numpy as np
 import torch
 from pagedkv.backend import AttentionImpl
-from pagedkv.backends.pallas import configs, interop
+from pagedkv.backends.pallas import configs, direct, interop
 from pagedkv.backends.pallas.builder import PallasMetadata
 from pagedkv.backends.pallas.kernel import KernelConfig, jitted
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.dispatch import current_stream
 
 # jax's Triton lowering computes element offsets of arrays up to 4 GiB in 32-bit
 # signed integers (64-bit above): a 1-byte cache of 2-4 GiB is read at wrapped addresses
@@ -52,6 +53,9 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
         self._slopes = np.asarray(spec.alibi_slopes, np.float32) if spec.alibi_slopes else zeros
         self._sinks = self.sinks.cpu().numpy() if self.sinks is not None else zeros
         self._head_arrays: dict[jax.Device, tuple[jax.Array, jax.Array]] = {}
+        # the direct launcher's: compiled variants by config and shapes, slopes and sinks
+        self._direct_kernels: dict[tuple, direct.DirectKernel] = {}
+        self._head_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check_cache(
         self, kv_cache: object, device: torch.device | None = None, metadata: object = None
@@ -75,6 +79,10 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
                 "metadata: expected the PallasMetadata of this backend's builder.build(), "
                 f"got {type(metadata).__name__}"
             )
+        if metadata.launcher == "direct":
+            self._attend_direct(query, kv_cache, metadata, output)
+            return
+        assert metadata.jax_device is not None
         slopes, sinks = self._head_params(metadata.jax_device)
         result = jitted(metadata.target)(
             interop.to_jax(query.contiguous(), "query", allow_copy=True),
@@ -85,6 +93,73 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
             cfg=self._config(metadata),
         )
         output.copy_(interop.to_torch(result, output.device))
+
+    def _attend_direct(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: PallasMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """The kernel launched from torch (module ``direct``) on the current stream: into
+        ``output`` itself where it is laid out as the kernel writes, else through a
+        buffer; with splits, into the step's partials, merged into ``output``."""
+        if kv_cache.data_ptr() % direct.DEFAULT_ALIGNMENT:
+            raise UnsupportedError(
+                f"kv_cache: the direct launcher needs the cache at a "
+                f"{direct.DEFAULT_ALIGNMENT}-byte aligned address (got {kv_cache.data_ptr():#x}); "
+                "allocate it on its own or pass the option launcher=jax"
+            )
+        kernel = self._direct_kernel(query, kv_cache, metadata)
+        q = query if _aligned(query) else query.clone(memory_format=torch.contiguous_format)
+        addresses = [*self._direct_args(metadata, query.device), q.data_ptr(), kv_cache.data_ptr()]
+        merge = metadata.merge
+        if merge is not None:
+            kernel.launch(
+                [*addresses, merge.partial.data_ptr(), merge.lse.data_ptr()], current_stream()
+            )
+            from pagedkv.toolkit.triton_lse_merge import output_args
+
+            merge.launch.run_with(call=output_args(output))
+            return
+        in_place = _aligned(output) and output.dtype == query.dtype
+        out = output if in_place else torch.empty_like(query)
+        kernel.launch([*addresses, out.data_ptr()], current_stream())
+        if not in_place:
+            output.copy_(out)
+
+    def _direct_kernel(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: PallasMetadata
+    ) -> direct.DirectKernel:
+        cfg = self._config(metadata)
+        arrays = metadata.arrays
+        num_reqs, width = arrays.block_table.shape
+        key = (id(cfg), query.shape[0], arrays.tile_req.shape[0], num_reqs, width, query.dtype,
+               kv_cache.shape, kv_cache.dtype)  # fmt: skip
+        kernel = self._direct_kernels.get(key)
+        if kernel is None:
+            shape = direct.LaunchShape(
+                cfg,
+                num_tokens=query.shape[0],
+                num_tiles=arrays.tile_req.shape[0],
+                num_reqs=num_reqs,
+                table_width=width,
+                cache_shape=tuple(kv_cache.shape),
+                dtype=_jax_dtype(query.dtype),
+                cache_dtype=_jax_dtype(kv_cache.dtype),
+            )
+            capability = torch.cuda.get_device_capability(query.device)
+            kernel = self._direct_kernels[key] = direct.kernel(shape, capability)
+        return kernel
+
+    def _direct_args(self, metadata: PallasMetadata, device: torch.device) -> list[int]:
+        """Addresses of the step's arrays, then of the layer's slopes and sinks."""
+        heads = self._head_tensors.get(device)
+        if heads is None:
+            heads = self._head_tensors[device] = tuple(
+                torch.from_numpy(a).to(device) for a in (self._slopes, self._sinks)
+            )
+        return [*(a.data_ptr() for a in metadata.arrays), heads[0].data_ptr(), heads[1].data_ptr()]
 
     def _head_params(self, device: jax.Device) -> tuple[jax.Array, jax.Array]:
         """ALiBi slopes and sink logits as [num_heads] float32 arrays on the device."""
@@ -108,6 +183,7 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
     ) -> KernelConfig:
         s = self.spec
         assert s.scale is not None
+        block_m = block_q * configs.padded_group(s.num_queries_per_kv)
         return KernelConfig(
             num_heads=s.num_heads,
             num_kv_heads=s.num_kv_heads,
@@ -125,6 +201,17 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
             block_n=block_n,
             split_slots=split_slots,
             target=target,
-            num_warps=int(self.options.get("num_warps") or configs.NUM_WARPS),
+            num_warps=int(self.options.get("num_warps") or configs.num_warps(block_m, s.head_size)),
             num_stages=int(self.options.get("num_stages") or configs.NUM_STAGES),
         )
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    """Whether the direct launcher can pass ``tensor`` as it is: contiguous, aligned as
+    the kernel's module declares its pointers."""
+    return tensor.is_contiguous() and tensor.data_ptr() % direct.DEFAULT_ALIGNMENT == 0
+
+
+def _jax_dtype(dtype: torch.dtype) -> str:
+    """JAX's name of a torch dtype (the same for every dtype this backend takes)."""
+    return str(dtype).removeprefix("torch.")

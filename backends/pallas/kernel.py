@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from pagedkv.backends.pallas import configs
-from pagedkv.toolkit.numerics import LOG2E
+from pagedkv.toolkit.numerics import LN2, LOG2E
 
 TARGETS = ("interpret", "triton", "mosaic_gpu", "mosaic_tpu")
 
@@ -121,8 +121,8 @@ def _paged_attention_kernel(
     q_ref,  # [T, num_heads, head_size]
     kv_ref,  # [num_blocks, block_size, 2 * num_kv_heads, head_size]
     # outputs
-    o_ref,  # [T(+1), num_heads, head_size(_pad)], or [splits, T(+1), num_heads, head_pad] f32
-    *lse_refs,  # [splits, T(+1), num_heads] f32 log2-sum-exp, only when splitting
+    o_ref,  # [T(+1), num_heads, head_size(_pad)], or [T(+1), splits, num_heads, head_pad] f32
+    *lse_refs,  # [T(+1), splits, num_heads] f32 log-sum-exp (natural), only when splitting
     cfg: KernelConfig,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -130,24 +130,59 @@ def _paged_attention_kernel(
 
     @pl.when(req >= 0)
     def _():
-        _attend_tile(
-            tile,
-            kv_head,
-            split,
-            req,
-            tile_qstart_ref,
-            query_start_loc_ref,
-            seq_lens_ref,
-            block_table_ref,
-            num_splits_ref,
-            slopes_ref,
-            sinks_ref,
-            q_ref,
-            kv_ref,
-            o_ref,
-            lse_refs[0] if lse_refs else None,
-            cfg,
-        )
+        def attend():
+            _attend_tile(
+                tile,
+                kv_head,
+                split,
+                req,
+                tile_qstart_ref,
+                query_start_loc_ref,
+                seq_lens_ref,
+                block_table_ref,
+                num_splits_ref,
+                slopes_ref,
+                sinks_ref,
+                q_ref,
+                kv_ref,
+                o_ref,
+                lse_refs[0] if lse_refs else None,
+                cfg,
+            )
+
+        if not lse_refs:
+            attend()
+            return
+        # a slot past the step's split count (a CUDA graph's launch keeps the slots of
+        # its capture) has no keys: it only marks its rows empty, without loading the
+        # query tile
+        busy = split < num_splits_ref[0]
+        pl.when(busy)(attend)
+
+        @pl.when(jnp.logical_not(busy))
+        def _():
+            token, head, row_valid = _tile_rows(
+                tile, kv_head, req, tile_qstart_ref, query_start_loc_ref, q_ref.shape[0], cfg
+            )
+            empty = jnp.full((cfg.block_m,), -jnp.inf, jnp.float32)
+            pl_triton.store(lse_refs[0].at[token, split, head], empty, mask=row_valid)
+
+
+def _tile_rows(tile, kv_head, req, tile_qstart_ref, query_start_loc_ref, num_tokens, cfg):
+    """(token, query head, valid) of each row of a tile: query token x query head of
+    this KV head; masked-off rows point at a row nobody else writes (interpret mode
+    stores them)."""
+    q_start = query_start_loc_ref[req]
+    q_len = query_start_loc_ref[req + 1] - q_start
+    tile_q0 = tile_qstart_ref[tile]
+    rows = jnp.arange(cfg.block_m, dtype=jnp.int32)
+    q_in_tile = rows // cfg.group_pad
+    head_in_group = rows % cfg.group_pad
+    row_valid = (tile_q0 + q_in_tile < q_len) & (head_in_group < cfg.group)
+    trash_row = num_tokens if cfg.target == "interpret" else 0
+    token = jnp.where(row_valid, q_start + tile_q0 + q_in_tile, trash_row)
+    head = jnp.where(row_valid, kv_head * cfg.group + head_in_group, 0)
+    return token, head, row_valid
 
 
 def _attend_tile(
@@ -178,14 +213,10 @@ def _attend_tile(
     tile_q0 = tile_qstart_ref[tile]
 
     # -- rows of the tile: query token x query head of this KV head ----------------
-    rows = jnp.arange(bm, dtype=jnp.int32)
-    q_in_tile = rows // cfg.group_pad
-    head_in_group = rows % cfg.group_pad
-    row_valid = (tile_q0 + q_in_tile < q_len) & (head_in_group < cfg.group)
-    # masked-off rows point at a row nobody else writes (interpret mode stores them)
-    trash_row = num_tokens if cfg.target == "interpret" else 0
-    token = jnp.where(row_valid, q_start + tile_q0 + q_in_tile, trash_row)
-    head = jnp.where(row_valid, kv_head * cfg.group + head_in_group, 0)
+    token, head, row_valid = _tile_rows(
+        tile, kv_head, req, tile_qstart_ref, query_start_loc_ref, num_tokens, cfg
+    )
+    q_in_tile = jnp.arange(bm, dtype=jnp.int32) // cfg.group_pad
     q_pos = context_len + tile_q0 + q_in_tile  # [bm] absolute position of each row
 
     dims = jnp.arange(dp, dtype=jnp.int32)
@@ -224,7 +255,7 @@ def _attend_tile(
     step_hi = (kv_hi + bn - 1) // bn
     if cfg.split_slots > 1:
         # the range cut into num_splits parts; a program past them gets an empty one
-        # and writes an empty partial (log2-sum-exp -inf), which the combine skips
+        # and writes an empty partial (log-sum-exp -inf), which the combine skips
         num_splits = num_splits_ref[0]
         per_split = (step_hi - step_lo + num_splits - 1) // num_splits
         first = jnp.minimum(step_lo + split * per_split, step_hi)
@@ -296,13 +327,19 @@ def _attend_tile(
         _bcast(head[:, None], (bm, dp)),
         _bcast(store_dims[None, :], (bm, dp)),
     )
+    out = out * cfg.v_scale
     if lse_ref is None:
-        out = out * cfg.v_scale
         pl_triton.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=row_mask)
     else:
-        pl_triton.store(o_ref.at[(split, *idx)], out, mask=row_mask)
-        lse = jnp.where(has_mass, m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0)), neg_inf)
-        pl_triton.store(lse_ref.at[split, token, head], lse, mask=row_valid)
+        # token-major partials, natural log: the layout and base of the toolkit's merge
+        # (``merge_by_lse``: a row's partials are consecutive rows), which the direct
+        # launch uses
+        # a row without keys (a split past the step's count) leaves its partial unwritten:
+        # the merges skip a partial whose log-sum-exp is -inf
+        kept = row_mask & has_mass[:, None]
+        pl_triton.store(o_ref.at[(idx[0], split, *idx[1:])], out, mask=kept)
+        lse2 = jnp.where(has_mass, m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0)), neg_inf)
+        pl_triton.store(lse_ref.at[token, split, head], lse2 * LN2, mask=row_valid)
 
 
 def _load_kv(ref, mask: jax.Array, dtype) -> jax.Array:
@@ -374,48 +411,61 @@ def jitted(target: str):
 
 
 def _paged_attention_call(q, kv_cache, step: StepArrays, slopes, sinks, *, cfg: KernelConfig):
-    num_tokens, num_heads, head_size = q.shape
-    # interpret mode stores masked-off lanes too: they land in one extra row and in
-    # the padding columns, where no real lane writes
+    num_tokens, _, head_size = q.shape
+    outs = kernel_call(q, kv_cache, step, slopes, sinks, cfg=cfg)
+    if cfg.split_slots == 1:
+        return outs[0][:num_tokens, :, :head_size]
+    return _combine_splits(outs[0][:num_tokens, :, :, :head_size], outs[1][:num_tokens]).astype(
+        q.dtype
+    )
+
+
+def output_shapes(num_tokens: int, dtype, cfg: KernelConfig) -> list[jax.ShapeDtypeStruct]:
+    """The kernel's outputs: the attention [T, num_heads, head_size] in ``dtype``, or
+    with splits the fp32 partials [T, slots, num_heads, head_pad] and their log-sum-exps
+    [T, slots, num_heads]. Interpret mode stores masked-off lanes too: they land in one
+    extra row and in the padding columns, where no real lane writes."""
     interpret = cfg.target == "interpret"
-    out_rows = num_tokens + (1 if interpret else 0)
-    out_width = cfg.head_pad if interpret else head_size
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    slots = cfg.split_slots
+    rows = num_tokens + (1 if interpret else 0)
+    heads, slots = cfg.num_heads, cfg.split_slots
     if slots == 1:
-        out_shape = [jax.ShapeDtypeStruct((out_rows, num_heads, out_width), q.dtype)]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((slots, out_rows, num_heads, cfg.head_pad), jnp.float32),
-            jax.ShapeDtypeStruct((slots, out_rows, num_heads), jnp.float32),
-        ]
+        width = cfg.head_pad if interpret else cfg.head_size
+        return [jax.ShapeDtypeStruct((rows, heads, width), dtype)]
+    return [
+        jax.ShapeDtypeStruct((rows, slots, heads, cfg.head_pad), jnp.float32),
+        jax.ShapeDtypeStruct((rows, slots, heads), jnp.float32),
+    ]
+
+
+def kernel_call(q, kv_cache, step: StepArrays, slopes, sinks, *, cfg: KernelConfig) -> list:
+    """The kernel's launch alone (``output_shapes``); its parameters, in order: the
+    step's arrays, slopes, sinks, q, kv_cache, then the outputs (``pallas_direct``
+    launches the same kernel from torch in that order)."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out_shape = output_shapes(q.shape[0], q.dtype, cfg)
     inputs = (*step, slopes, sinks, q, kv_cache)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_paged_attention_kernel, cfg=cfg),
-        grid=(step.tile_req.shape[0], cfg.num_kv_heads, slots),
+        grid=(step.tile_req.shape[0], cfg.num_kv_heads, cfg.split_slots),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,
-        interpret=interpret,
+        interpret=cfg.target == "interpret",
         compiler_params=_compiler_params(cfg),
         name=cfg.name,
     )(*inputs)
-    if slots == 1:
-        return outs[0][:num_tokens, :, :head_size]
-    return _combine_splits(
-        outs[0][:, :num_tokens, :, :head_size], outs[1][:, :num_tokens], cfg
-    ).astype(q.dtype)
 
 
-def _combine_splits(partial: jax.Array, lse: jax.Array, cfg: KernelConfig) -> jax.Array:
-    """Merge per-split normalised outputs [S, T, H, D] by their log2-sum-exp [S, T, H]."""
-    lse_max = jnp.max(lse, axis=0)
+def _combine_splits(partial: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge per-split normalised outputs [T, S, H, D] by their log-sum-exp [T, S, H]
+    (as the toolkit's ``merge_by_lse``; the kernel has applied the value scale)."""
+    lse_max = jnp.max(lse, axis=1)
     lse_max = jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)
-    weight = jnp.exp2(lse - lse_max[None])  # [S, T, H]; 0 for an empty split
+    weight = jnp.exp(lse - lse_max[:, None])  # [T, S, H]; 0 for an empty split
     # an empty split's partial is never read: its weight is 0 and where() drops it
     weighted = jnp.where(weight[..., None] > 0, partial * weight[..., None], 0.0)
-    total = jnp.sum(weight, axis=0)
-    return jnp.sum(weighted, axis=0) / jnp.where(total > 0, total, 1.0)[..., None] * cfg.v_scale
+    total = jnp.sum(weight, axis=1)
+    return jnp.sum(weighted, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _compiler_params(cfg: KernelConfig):

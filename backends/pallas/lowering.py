@@ -101,9 +101,11 @@ def export_kernel(
     cache_dtype: str = "bfloat16",
     *,
     tpu_kind: str = TPU_KIND,
+    args: tuple | None = None,
 ) -> export.Exported:
     """Lower ``cfg`` for ``platform`` ("cuda": Pallas Triton, "tpu": Mosaic) without a
-    device. Raises what the lowering raises.
+    device, for inputs ``args`` (ShapeDtypeStructs; default: a small problem's,
+    ``abstract_args``). Raises what the lowering raises.
 
     Mosaic reads the chip's tiling rules from the device; off-TPU an abstract device
     of kind ``tpu_kind`` stands in for it.
@@ -117,7 +119,7 @@ def export_kernel(
         return jitted(cfg.target)(*args, cfg=cfg)
 
     lower = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)
-    args = abstract_args(cfg, dtype, cache_dtype)
+    args = args if args is not None else abstract_args(cfg, dtype, cache_dtype)
     if platform != "tpu":
         return lower(*args)
     device = AbstractDevice(device_kind=tpu_kind, num_cores=1, platform="tpu")

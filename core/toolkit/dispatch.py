@@ -251,7 +251,7 @@ def _call_key(names: tuple[str, ...], specs: tuple[Any, ...]) -> int:
     return _CALL_KEYS.setdefault((names, specs), len(_CALL_KEYS))
 
 
-# compiled variants (``_Variant``) by (the shared groups' key, the call's key)
+# compiled variants (``CompiledLaunch``) by (the shared groups' key, the call's key)
 _VARIANTS: dict[tuple, Any] = {}
 
 
@@ -282,7 +282,7 @@ def launch(
             return _dispatch(kernel, grid, shared, call.mapping, stream)
         found = _dispatch(kernel, grid, shared, call.mapping, stream)
         if all(hasattr(found, a) for a in ("run", "function", "packed_metadata")):
-            _VARIANTS[key] = _Variant(found)
+            _VARIANTS[key] = CompiledLaunch(found)
         return found
     args = template.copy()
     for i, value in zip(params.positions(names), call.values):
@@ -366,10 +366,11 @@ def current_stream() -> int:
     return get_stream(get_device())
 
 
-class _Variant:
-    """A compiled variant and how it is launched directly: what Triton's dispatch ends
-    with (the variant's ``run``), or, where that is Triton's CUDA launcher with no
-    scratch memory to allocate per launch, the launcher's ``launch`` with its fixed
+class CompiledLaunch:
+    """A compiled variant and how it is launched directly (``launch(grid, args,
+    stream)``, ``args`` every non-constexpr parameter in order, tensors as addresses):
+    what Triton's dispatch ends with (the variant's ``run``), or, where that is
+    Triton's CUDA launcher with no scratch memory to allocate per launch, the launcher's ``launch`` with its fixed
     arguments bound (``CudaLauncher.__call__`` would only pass them on): the C entry
     point, or for a kernel of TMA descriptors Triton's wrapper that encodes them and
     calls it. Without launch hooks the launch's metadata (made only for a hook) is not

@@ -617,7 +617,7 @@ def merge_by_lse(
     row, however many slices it has. A row with no partial rows gets zeros.
 
     partial_out: [R, H, Dv] (any float dtype); partial_lse: [R, H] float32, natural log
-    (-inf: no key); merge_indptr: [T + 1] int32 (non-decreasing, merge_indptr[T] <= R);
+    (-inf: no key, and then that partial row is not read: it may be unwritten); merge_indptr: [T + 1] int32 (non-decreasing, merge_indptr[T] <= R);
     output: [T, H, Dv]; sinks: [H] float32 logits or None.
 
     use_triton: None picks the Triton kernel for CUDA tensors (when triton is installed)
@@ -675,7 +675,8 @@ def _merge_by_lse_torch(
     denom = torch.zeros_like(m).index_add_(0, owner, weight)
     if sinks is not None:
         denom += torch.exp(sinks[None, :] - m)
-    parts = weight[..., None] * partial_out[: owner.shape[0]].float()
+    parts = partial_out[: owner.shape[0]].float()
+    parts = torch.where(weight[..., None] > 0, weight[..., None] * parts, 0.0)
     merged = torch.zeros(output.shape, device=output.device).index_add_(0, owner, parts)
     output.copy_(merged / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None])
 

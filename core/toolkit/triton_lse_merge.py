@@ -72,9 +72,11 @@ def merge_by_lse_kernel(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         rescale = tl.exp(m - m_use)
         weight = tl.exp(lse - m_use)
+        # a partial with no key (LSE -inf) is not read: its row may be unwritten
+        has_keys = k_ok & (lse > float("-inf"))
         parts = tl.load(
             PartOut + ks[:, None] * stride_pt + head * stride_ph + dims[None, :] * stride_pd,
-            mask=k_ok[:, None] & dim_ok[None, :],
+            mask=has_keys[:, None] & dim_ok[None, :],
             other=0.0,
         ).to(tl.float32)
         acc = acc * rescale + tl.sum(weight[:, None] * parts, 0)
@@ -96,20 +98,30 @@ def plan_merge_by_lse(
     sinks: torch.Tensor | None,
 ) -> KernelLaunch:
     """The planned launch (shapes as in ``split_kv.merge_by_lse``, already checked)."""
-    num_rows, num_heads, head_size_v = output.shape
-    o, p, lse = output.stride(), partial_out.stride(), partial_lse.stride()
+    template = merge_template(partial_out, partial_lse, merge_indptr, output.shape[0], sinks)
+    return KernelLaunch(template.kernel, template.grid, {**template.kwargs, **output_args(output)})
+
+
+def merge_template(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    merge_indptr: torch.Tensor,
+    num_rows: int,
+    sinks: torch.Tensor | None,
+) -> KernelLaunch:
+    """The launch for ``num_rows`` output rows without the output (``output_args``): a
+    step plans it once, each layer's forward runs it into its own output
+    (``KernelLaunch.run_with(call=output_args(output))``)."""
+    _, num_heads, head_size_v = partial_out.shape
+    p, lse = partial_out.stride(), partial_lse.stride()
     return KernelLaunch(
         merge_by_lse_kernel,
         (num_rows, num_heads),
         dict(
-            Out=output,
             PartOut=partial_out,
             PartLse=partial_lse,
             MergeIndptr=merge_indptr,
             Sinks=partial_lse if sinks is None else sinks,
-            stride_ot=o[0],
-            stride_oh=o[1],
-            stride_od=o[2],
             stride_pt=p[0],
             stride_ph=p[1],
             stride_pd=p[2],
@@ -122,3 +134,9 @@ def plan_merge_by_lse(
             num_warps=2 if head_size_v <= 128 else 4,
         ),
     )
+
+
+def output_args(output: torch.Tensor) -> dict[str, object]:
+    """The output's arguments of a merge launch (``merge_template``)."""
+    o = output.stride()
+    return dict(Out=output, stride_ot=o[0], stride_oh=o[1], stride_od=o[2])
