@@ -146,7 +146,7 @@ def test_option_keys_that_are_constructor_parameters_are_config_errors():
         ("triton(num_splits=2.5)", "option num_splits='2.5': expected an int"),
         ("mla(num_splits=0)", "option num_splits=0: expected 1 to 64"),
         ("pallas(num_splits=-1)", "option num_splits=-1: expected 0 to 64"),
-        ("pallas(num_warps=0)", "option num_warps=0: expected >= 1"),
+        ("pallas(num_warps=-1)", "option num_warps=-1: expected >= 0"),
         ("pallas(block_m=-16)", "option block_m=-16: expected >= 0"),
     ],
 )

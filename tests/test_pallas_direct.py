@@ -83,11 +83,11 @@ def test_graph_split_slots_stay_within_the_partial_budget_and_the_waves():
     wave = configs.PROGRAMS_PER_SM * 132
     assert slots(1)[0] == configs.SPLIT_POLICY.max_splits  # one long decode: every split
     assert slots(4)[0] == configs.SPLIT_POLICY.max_splits
-    # 64 decodes: 512 programs a slot, 8 waves of 528 programs hold 8 slots
-    assert slots(64)[0] == 8
-    # 256 decodes: 4.2 MB of partials a slot (15 fit in 64 MiB), 2048 programs (2 slots)
-    assert slots(256)[0] == 2
-    assert slots(256, query_len=4)[0] == 4  # speculative decoding still splits
+    # 64 decodes: 512 programs a slot, 16 waves of 528 programs hold 16 slots
+    assert slots(64)[0] == 16
+    # 256 decodes: 4.2 MB of partials a slot (15 fit in 64 MiB), 2048 programs (4 slots)
+    assert slots(256)[0] == 4
+    assert slots(256, query_len=4)[0] == 8  # speculative decoding: 1024 programs a slot
     # a mixed step's bounds (17 requests, one of them a 256-token chunk): 34 tiles
     assert slots(272, query_len=16)[0] == 8
     for tokens in (1, 3, 64, 200, 1024, 8192):

@@ -101,7 +101,10 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         self.launcher = resolve_launcher(str(options.get("launcher") or "auto"), self.device)
         self.group_pad = configs.padded_group(spec.num_queries_per_kv)
         self.block_m = int(options.get("block_m") or 0)
-        self.block_n = int(options.get("block_n") or configs.default_block_n(spec.head_size))
+        self.block_n = int(
+            options.get("block_n")
+            or configs.default_block_n(spec.head_size, spec.cache_dtype.itemsize)
+        )
         self.forced_splits = configs.check_num_splits(
             int(options.get("num_splits") or 0), "option num_splits"
         )

@@ -83,9 +83,12 @@ def head_pad(head_size: int) -> int:
     return max(16, next_power_of_2(head_size))
 
 
-def default_block_n(head_size: int) -> int:
-    """Keys per step: K and V tiles of [block_n, head_pad] stay within a few tens of KiB."""
-    return 64 if head_size <= 128 else 32
+def default_block_n(head_size: int, cache_bytes: int = 2) -> int:
+    """Keys per step: K and V tiles of [block_n, head_pad] stay within a few tens of KiB;
+    a 1-byte cache takes twice the keys of a 2-byte one (the same tile bytes; H200, fp8
+    decode 64 x 4096: 64 keys 447.5 us, 128 keys 339.4, twentieth session)."""
+    keys = 64 if head_size <= 128 else 32
+    return 2 * keys if cache_bytes == 1 else keys
 
 
 def block_q(max_query_len: int, group_pad: int, block_m: int = 0) -> int:
@@ -159,10 +162,13 @@ def split_slots(num_splits: int) -> int:
 # this many bytes of partials (the triton backend's graph budget) ...
 GRAPH_PARTIAL_BYTES = 64 << 20
 # ... and within this many waves of programs (PROGRAMS_PER_SM on every SM): an idle
-# program still starts, reads its tile and stores its rows' log-sum-exp. At 32 slots a
-# 64 x 4096 decode graph (one split used) took 300.6 us against 252.4 eagerly (H200,
-# twentieth session, before idle programs skipped the query tile; docs/pallas.md).
-GRAPH_PROGRAM_WAVES = 8
+# program still starts, reads its tile and stores its rows' log-sum-exp. H200, twentieth
+# session (docs/pallas.md): a 64 x 4096 decode graph with 32 slots (one used) took 300.6
+# us against 252.4 eagerly while idle programs loaded their query tile; once they did
+# not, 8 waves (8 slots) 256.8 and 16 waves (16 slots) 257.4, while speculative 64x4
+# went 374.8 -> 323.8 (4 -> 8 slots; 12 splits eagerly, 315.4) and GQA 8 ragged 312.5
+# -> 275.0 (eagerly 285.5). The triton backend's graph plans hold 16 waves too.
+GRAPH_PROGRAM_WAVES = 16
 
 
 def graph_split_slots(

@@ -193,15 +193,20 @@ def compile_module(module: TritonModule, cfg: KernelConfig, capability: tuple[in
         )
 
 
-_KERNELS: dict[tuple[LaunchShape, tuple[int, int]], DirectKernel] = {}
+# by shape and device: a compiled kernel's function is loaded into one device's context
+_KERNELS: dict[tuple[LaunchShape, int], DirectKernel] = {}
 
 
-def kernel(shape: LaunchShape, capability: tuple[int, int]) -> DirectKernel:
-    """The compiled variant for ``shape`` on a GPU of ``capability`` (made on first use:
+def kernel(shape: LaunchShape, device: torch.device) -> DirectKernel:
+    """The compiled variant for ``shape`` on the CUDA ``device`` (made on first use:
     JAX's lowering and Triton's compile, about a second)."""
-    key = (shape, capability)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (shape, index)
     found = _KERNELS.get(key)
     if found is None:
         module = lower(shape)
-        found = _KERNELS[key] = DirectKernel(module, compile_module(module, shape.cfg, capability))
+        capability = torch.cuda.get_device_capability(index)
+        with torch.cuda.device(index):  # Triton loads the binary into the current device
+            found = DirectKernel(module, compile_module(module, shape.cfg, capability))
+        _KERNELS[key] = found
     return found

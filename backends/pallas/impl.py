@@ -148,8 +148,7 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
                 dtype=_jax_dtype(query.dtype),
                 cache_dtype=_jax_dtype(kv_cache.dtype),
             )
-            capability = torch.cuda.get_device_capability(query.device)
-            kernel = self._direct_kernels[key] = direct.kernel(shape, capability)
+            kernel = self._direct_kernels[key] = direct.kernel(shape, query.device)
         return kernel
 
     def _direct_args(self, metadata: PallasMetadata, device: torch.device) -> list[int]:

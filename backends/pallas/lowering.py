@@ -56,6 +56,17 @@ VARIANTS: dict[str, tuple[KernelConfig, str, str]] = {
     ),
     "split4-sinks": (replace(_BASE, split_slots=4, use_sinks=True), "bfloat16", "bfloat16"),
     "fp8-e4m3": (replace(_BASE, k_scale=0.5, v_scale=2.0), "bfloat16", "float8_e4m3fn"),
+    # a 1-byte cache's default key step (configs.default_block_n), decode and prefill tiles
+    "fp8-e4m3-bn128-decode": (
+        replace(_BASE, k_scale=0.5, v_scale=2.0, block_n=128, split_slots=4),
+        "bfloat16",
+        "float8_e4m3fn",
+    ),
+    "fp8-e4m3-bn128-bm64": (
+        replace(_BASE, k_scale=0.5, v_scale=2.0, block_n=128, block_q=16),
+        "bfloat16",
+        "float8_e4m3fn",
+    ),
     "fp8-e5m2-split2": (
         replace(_BASE, k_scale=0.5, v_scale=2.0, split_slots=2),
         "float16",
