@@ -254,8 +254,8 @@ def _attend_tile(
     step_lo = kv_lo // bn
     step_hi = (kv_hi + bn - 1) // bn
     if cfg.split_slots > 1:
-        # the range cut into num_splits parts; a program past them gets an empty one
-        # and writes an empty partial (log-sum-exp -inf), which the combine skips
+        # the range cut into num_splits parts (a program past them does not get here:
+        # the kernel's entry marks its rows empty); a short range may leave a part empty
         num_splits = num_splits_ref[0]
         per_split = (step_hi - step_lo + num_splits - 1) // num_splits
         first = jnp.minimum(step_lo + split * per_split, step_hi)
@@ -333,9 +333,8 @@ def _attend_tile(
     else:
         # token-major partials, natural log: the layout and base of the toolkit's merge
         # (``merge_by_lse``: a row's partials are consecutive rows), which the direct
-        # launch uses
-        # a row without keys (a split past the step's count) leaves its partial unwritten:
-        # the merges skip a partial whose log-sum-exp is -inf
+        # launch uses. A row without keys leaves its partial unwritten: the merges skip
+        # a partial whose log-sum-exp is -inf
         kept = row_mask & has_mass[:, None]
         pl_triton.store(o_ref.at[(idx[0], split, *idx[1:])], out, mask=kept)
         lse2 = jnp.where(has_mass, m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0)), neg_inf)
