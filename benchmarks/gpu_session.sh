@@ -136,6 +136,7 @@ for section in "$@"; do
       conform mla full &
       conform torch quick &
       conform pallas full &
+      conform "pallas(launcher=jax)" quick &  # the default is the direct launcher
       if $PY -c "import flashinfer" 2>/dev/null; then
         run flashinfer-tests $PY -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py &
         conform flashinfer full &
