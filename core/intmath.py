@@ -13,3 +13,8 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_power_of_2(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1)."""
+    return 1 << max(0, n.bit_length() - 1)

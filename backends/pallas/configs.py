@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from pagedkv.errors import ConfigError
+from pagedkv.intmath import next_power_of_2, prev_power_of_2
 from pagedkv.toolkit.split_kv import (
     SplitChoice,
     SplitPolicy,
@@ -67,10 +68,6 @@ PROGRAMS_PER_SM = 4
 # A program's fixed cost (query load, first page-table reads, epilogue) in keys
 # streamed: about one 64-key step, as the triton backend's kernel of the same tiles
 PROGRAM_OVERHEAD_KEYS = 64
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def padded_group(num_queries_per_kv: int) -> int:
@@ -186,4 +183,4 @@ def graph_split_slots(
     per_slot = bounds.max_num_tokens * num_heads * (head_pad(head_size) + 1) * 4
     waves = GRAPH_PROGRAM_WAVES * PROGRAMS_PER_SM * num_sms // (num_tiles * num_kv_heads)
     most = min(SPLIT_POLICY.max_splits, splits_within(GRAPH_PARTIAL_BYTES, per_slot), waves)
-    return 1 << (max(1, most).bit_length() - 1)
+    return prev_power_of_2(most)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from pagedkv.errors import ConfigError
-from pagedkv.intmath import cdiv, next_power_of_2
+from pagedkv.intmath import cdiv, next_power_of_2, prev_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.launch import KernelFit
@@ -944,5 +944,5 @@ def reduce_tile(split_pad: int, head_pad: int, num_heads: int, ordered: bool) ->
     ``ordered``), at least one; 8 warps when one head's splits are a wider tile."""
     width = 1 if ordered else split_pad
     fit = max(1, REDUCE_TILE_VALUES // (width * head_pad))
-    block_h = min(1 << (fit.bit_length() - 1), next_power_of_2(num_heads))
+    block_h = min(prev_power_of_2(fit), next_power_of_2(num_heads))
     return block_h, 8 if block_h * width * head_pad > 8192 else 4

@@ -370,11 +370,11 @@ class CompiledLaunch:
     """A compiled variant and how it is launched directly (``launch(grid, args,
     stream)``, ``args`` every non-constexpr parameter in order, tensors as addresses):
     what Triton's dispatch ends with (the variant's ``run``), or, where that is
-    Triton's CUDA launcher with no scratch memory to allocate per launch, the launcher's ``launch`` with its fixed
-    arguments bound (``CudaLauncher.__call__`` would only pass them on): the C entry
-    point, or for a kernel of TMA descriptors Triton's wrapper that encodes them and
-    calls it. Without launch hooks the launch's metadata (made only for a hook) is not
-    built."""
+    Triton's CUDA launcher with no scratch memory to allocate per launch, the
+    launcher's ``launch`` with its fixed arguments bound (``CudaLauncher.__call__``
+    would only pass them on): the C entry point, or for a kernel of TMA descriptors
+    Triton's wrapper that encodes them and calls it. Without launch hooks the launch's
+    metadata (made only for a hook) is not built."""
 
     __slots__ = ("c_launch", "compiled", "fixed")
 

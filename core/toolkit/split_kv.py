@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from pagedkv.errors import MetadataError, UnsupportedError
-from pagedkv.intmath import cdiv
+from pagedkv.intmath import cdiv, prev_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.transfer import to_device
 
@@ -268,7 +268,7 @@ class SplitPolicy:
         most = float(np.ceil(longest / granule))
         least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
         candidates: set[int] = set()  # inner steps per split
-        r = 1 << max(0, least.bit_length() - 1)  # the power of two at or below least
+        r = prev_power_of_2(least)
         while r < most and most * granule >= 2 * self.min_keys_per_split:
             steps_each = (r * m for m in range_multiples)
             candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
@@ -617,7 +617,8 @@ def merge_by_lse(
     row, however many slices it has. A row with no partial rows gets zeros.
 
     partial_out: [R, H, Dv] (any float dtype); partial_lse: [R, H] float32, natural log
-    (-inf: no key, and then that partial row is not read: it may be unwritten); merge_indptr: [T + 1] int32 (non-decreasing, merge_indptr[T] <= R);
+    (-inf: no key, and then that partial row is not read: it may be unwritten);
+    merge_indptr: [T + 1] int32 (non-decreasing, merge_indptr[T] <= R);
     output: [T, H, Dv]; sinks: [H] float32 logits or None.
 
     use_triton: None picks the Triton kernel for CUDA tensors (when triton is installed)
