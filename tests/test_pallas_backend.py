@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pagedkv
 import pytest
@@ -338,7 +340,53 @@ def test_kv_splits_fill_the_gpu_only_when_few_long_requests_decode(num_reqs, con
     )
     md = builder.build(common)
     assert (md.num_splits, md.split_slots) == (splits, splits)
-    assert np.asarray(md.arrays.num_splits).tolist() == [splits]
+    assert np.asarray(md.arrays.split_steps).tolist() == [-(-context // 64 // splits)]
+
+
+def test_short_tiles_take_fewer_key_ranges_than_the_longest():
+    """A tile takes as many ranges as ranges of the step's length take: beside a long
+    decode, a short one and a chunk's early tiles take fewer programs, whose slots past
+    their ranges only mark their rows empty (log-sum-exp -inf: no partial written, none
+    merged), and the merged result equals the unsplit one (interpret mode)."""
+    import jax.numpy as jnp
+
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=16
+    )
+    backend = pagedkv.get_backend("pallas", num_splits=4, block_n=16)
+    seq_lens, query_lens = [256, 20, 70], [1, 1, 40]
+    ids = [list(range(1 + i * 16, 1 + i * 16 + -(-n // 16))) for i, n in enumerate(seq_lens)]
+    common = pagedkv.CommonAttentionMetadata.from_requests(seq_lens, query_lens, ids, 16, "cpu")
+    md = backend.make_builder(spec, "cpu").build(common)
+    # 256 keys in 4 ranges of 4 steps (16 keys each)
+    assert (md.num_splits, md.split_slots, md.split_steps) == (4, 4, 4)
+    cache = backend.allocate_kv_cache(1 + 3 * 16, spec, "cpu")
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))
+    query = torch.randn(42, 4, 32, generator=torch.Generator().manual_seed(1))
+    impl = backend.make_impl(spec)
+    zeros = jnp.zeros(4, jnp.float32)
+    _, lse = kernel.kernel_call(
+        jnp.asarray(query.numpy()), jnp.asarray(cache.numpy()), md.arrays, zeros, zeros,
+        cfg=impl._config(md),
+    )  # fmt: skip
+    finite = np.isfinite(np.asarray(lse)[:42]).all(axis=2)  # [tokens, slots]
+    ranges = finite.sum(axis=1)
+    # the long decode: 16 steps in 4 ranges; the short one: 2 steps, one range; the
+    # chunk's rows see 30 + their position + 1 keys: 2 to 5 steps, one or two ranges
+    assert ranges[0] == 4 and ranges[1] == 1
+    assert set(ranges[2:].tolist()) == {1, 2}
+    assert finite[:, 0].all() and not finite[1, 1:].any()
+    out = impl.forward(query, None, None, cache, md)
+    unsplit = pagedkv.get_backend("pallas", num_splits=1, block_n=16)
+    alone = unsplit.make_impl(spec).forward(
+        query, None, None, cache, unsplit.make_builder(spec, "cpu").build(common)
+    )
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+    # ranges too short for the slots (a host count of steps short of the kernel's):
+    # the last slot takes the rest, no key is dropped
+    short = dataclasses.replace(md, arrays=md.arrays._replace(split_steps=jnp.ones(1, jnp.int32)))
+    out = impl.forward(query, None, None, cache, short)
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_a_ragged_batch_splits_its_critical_path():
@@ -370,10 +418,13 @@ def test_split_count_is_chosen_on_cpu_and_launched_in_power_of_two_slots():
         [1100, 40], [1, 1], [list(range(1, 70)), [70, 71, 72]], 16
     )
     md = builder.build(long_decode)
-    assert (md.num_splits, md.split_slots) == (2, 2)
+    # fixed ranges of 512 keys (the longest program 512 keys, where two even shares
+    # take 576): three for the long request, launched in four slots
+    assert (md.num_splits, md.split_slots, md.split_steps) == (3, 4, 8)
     md = builder.build(long_decode, num_splits=5)
     assert (md.num_splits, md.split_slots) == (5, 8)
-    assert np.asarray(md.arrays.num_splits).tolist() == [5]
+    # ranges of 4 steps (64 keys each): 1100 keys in 5 ranges, 40 keys in one
+    assert np.asarray(md.arrays.split_steps).tolist() == [4]
     # a prefill batch does not split unless forced
     prefill = pagedkv.CommonAttentionMetadata.from_requests(
         [1100], [1100], [list(range(1, 70))], 16

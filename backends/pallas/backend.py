@@ -78,8 +78,9 @@ class PallasBackend(AttentionBackend):
         ),
         "num_splits": BackendOption(
             0,
-            f"KV splits per query tile (flash-decoding), at most "
-            f"{configs.SPLIT_POLICY.max_splits}; 0: chosen per step",
+            f"KV splits of the longest query tile (flash-decoding; shorter tiles take "
+            f"fewer ranges of the same keys), at most {configs.SPLIT_POLICY.max_splits}; "
+            "0: chosen per step",
             kind=int,
             minimum=0,
             maximum=configs.SPLIT_POLICY.max_splits,

@@ -32,8 +32,9 @@ class PallasMetadata(BackendMetadata):
     jax_device: jax.Device | None  # the JAX launcher's device
     block_q: int  # query tokens per tile
     block_n: int  # keys per inner-loop step
-    num_splits: int  # KV splits per tile (the policy's choice)
+    num_splits: int  # key ranges of the longest tile (the policy's choice)
     split_slots: int  # programs per tile along the keys: num_splits rounded up
+    split_steps: int  # the most key steps (block_n keys) of a range
     target: str  # "interpret" (CPU) or "triton" (CUDA)
     launcher: str = "jax"  # "jax", or "direct" (module direct: on torch's stream)
     # the direct launcher with splits: the merge of the partials into a forward's output
@@ -129,37 +130,45 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         tiled_query_len = bounds.max_query_len if bounds is not None else max_query_len
         block_q = configs.block_q(tiled_query_len, self.group_pad, self.block_m)
         tile_req, tile_qstart = plan_tiles(query_lens, common.num_tokens, block_q)
-        seq_lens = common.seq_lens_cpu.numpy()
-        splits = configs.choose_splits(
-            seq_lens[tile_req[tile_req >= 0]],
+        spec = self.spec
+        keys = configs.tile_keys(
+            query_lens, common.seq_lens_cpu.numpy(), tile_req, tile_qstart, block_q,
+            causal=spec.causal, window=spec.sliding_window, block_n=self.block_n,
+        )  # fmt: skip
+        slots = None
+        if bounds is not None:
+            slots = configs.graph_split_slots(
+                bounds,
+                num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                num_tiles=tile_req.shape[0],
+                num_sms=self.num_sms,
+            )
+        choice = configs.choose_splits(
+            keys,
             max_query_len,
-            num_heads=self.spec.num_heads,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_size=self.spec.head_size,
-            cache_bytes=self.spec.cache_dtype.itemsize,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            cache_bytes=spec.cache_dtype.itemsize,
             num_tokens=common.num_tokens,
             block_n=self.block_n,
             num_sms=self.num_sms,
             forced=configs.check_num_splits(num_splits or 0, "build(num_splits)")
             or self.forced_splits,
-        ).num_splits
-        slots = configs.split_slots(splits)
-        if bounds is not None:
-            slots = configs.graph_split_slots(
-                bounds,
-                num_heads=self.spec.num_heads,
-                num_kv_heads=self.spec.num_kv_heads,
-                head_size=self.spec.head_size,
-                num_tiles=tile_req.shape[0],
-                num_sms=self.num_sms,
-            )
-            splits = min(splits, slots)
+        )
+        if slots is None:
+            slots = configs.split_slots(choice.num_splits)
+        longest = int(keys.max(initial=0))
+        steps, splits = configs.split_steps(choice, longest, self.block_n, slots)
         plan = dict(
             common=common,
             block_q=block_q,
             block_n=self.block_n,
             num_splits=splits,
             split_slots=slots,
+            split_steps=steps,
             target=self.target,
         )
         if self.launcher == "direct":
@@ -167,8 +176,8 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         if self.graph_bounds is not None:
             # views of the persistent buffers, so a replay reads the step built last
             # (the CPU's emulated replay of the contract's graph path)
-            names = ("tile_req", "tile_qstart", "num_splits")
-            tiles = self._packed_tiles(tile_req, tile_qstart, plan["num_splits"])
+            names = ("tile_req", "tile_qstart", "split_steps")
+            tiles = self._packed_tiles(tile_req, tile_qstart, steps)
             viewed = {n: interop.to_jax(t, n) for n, t in zip(names, tiles)}
             arrays = StepArrays(
                 query_start_loc=interop.to_jax(common.query_start_loc, "query_start_loc"),
@@ -188,14 +197,14 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
             ),
             seq_lens=interop.to_jax(common.seq_lens, "seq_lens", allow_copy=True),
             block_table=block_table,
-            num_splits=jax.device_put(np.array([splits], np.int32), device),
+            split_steps=jax.device_put(np.array([steps], np.int32), device),
         )
         return PallasMetadata(arrays=arrays, jax_device=device, **plan)
 
     def _packed_tiles(
-        self, tile_req: np.ndarray, tile_qstart: np.ndarray, num_splits: int
+        self, tile_req: np.ndarray, tile_qstart: np.ndarray, split_steps: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tile_req, tile_qstart, num_splits) on the device in one host-to-device copy,
+        """(tile_req, tile_qstart, split_steps) on the device in one host-to-device copy,
         each at an offset aligned to ``PACKED_ALIGNMENT``; under a CUDA-graph reservation
         in one persistent buffer."""
         align = PACKED_ALIGNMENT // 4  # int32 elements
@@ -203,7 +212,7 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         host = np.zeros(2 * stride + align, np.int32)
         host[: tile_req.shape[0]] = tile_req
         host[stride : stride + tile_qstart.shape[0]] = tile_qstart
-        host[2 * stride] = num_splits
+        host[2 * stride] = split_steps
         if self.graph_bounds is None:
             packed = to_device(host, self.device)
         else:
@@ -225,14 +234,14 @@ class PallasMetadataBuilder(AttentionMetadataBuilder[PallasMetadata]):
         """The step's arrays as torch tensors for the direct launcher: the tiles and the
         split count packed (``_packed_tiles``), the step's own tensors where they are
         contiguous and aligned (copies otherwise)."""
-        tiles = self._packed_tiles(tile_req, tile_qstart, plan["num_splits"])
+        tiles = self._packed_tiles(tile_req, tile_qstart, plan["split_steps"])
         arrays = StepArrays(
             tile_req=tiles[0],
             tile_qstart=tiles[1],
             query_start_loc=_aligned(common.query_start_loc, "query_start_loc"),
             seq_lens=_aligned(common.seq_lens, "seq_lens"),
             block_table=_aligned(common.block_table, "block_table"),
-            num_splits=tiles[2],
+            split_steps=tiles[2],
         )
         slots = plan["split_slots"]
         merge = self._split_merge(common.num_tokens, slots) if slots > 1 else None

@@ -107,6 +107,32 @@ def check_num_splits(value: int, where: str) -> int:
     return value
 
 
+def tile_keys(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    tile_req: np.ndarray,
+    tile_qstart: np.ndarray,
+    block_q: int,
+    *,
+    causal: bool,
+    window: int | None,
+    block_n: int,
+) -> np.ndarray:
+    """Keys each live query tile visits (one KV head): its request's keys up to the
+    tile's last query row (causal); with a window, at most the window, the tile's rows
+    and a key step (the kernel's steps are aligned to ``block_n`` keys, a window's
+    first key is not)."""
+    live = tile_req >= 0
+    req = tile_req[live]
+    seq = seq_lens[req].astype(np.int64)
+    if causal:
+        q_len = query_lens[req]
+        seq = seq - q_len + np.minimum(tile_qstart[live] + block_q, q_len)
+    if window is not None:
+        seq = np.minimum(seq, window + block_q + block_n)
+    return seq
+
+
 def choose_splits(
     tile_keys: np.ndarray,
     max_query_len: int,
@@ -121,11 +147,17 @@ def choose_splits(
     forced: int = 0,
 ) -> SplitChoice:
     """A step's KV splits: forced, else the toolkit's makespan rule over the tiles' keys
-    (``tile_keys``: the keys each query tile visits, for one KV head; the kernel cuts
-    every tile's range into even shares), for every step: a mixed step's long decodes
-    are its critical path as a ragged batch's are (H200, mixed 16 + 1 chunk unsplit:
-    1128 us against the triton backend's 128), and a prefill's many tiles keep it
-    unsplit (the partials' merge counts in the rule)."""
+    (``tile_keys``: the keys each query tile visits, for one KV head), for every step:
+    a mixed step's long decodes are its critical path as a ragged batch's are (H200,
+    mixed 16 + 1 chunk unsplit: 1128 us against the triton backend's 128), and a
+    prefill's many tiles keep it unsplit (the partials' merge counts in the rule).
+
+    The kernel cuts each tile's keys into as many ranges as ranges of
+    ``keys_per_split`` keys take, shared evenly, so a short tile takes fewer programs
+    (and writes fewer partials) than the longest one's ``num_splits``: even shares of
+    the longest tile (the rule's default) and the rule's fixed key ranges both run so. Only the ranges cut write partials that the merge
+    reads (``merge_split_only``). A launch of fewer split slots widens the ranges
+    (``split_steps``)."""
     longest = int(np.max(tile_keys, initial=0))
     if forced or longest <= 0:
         return SPLIT_POLICY.choose(
@@ -142,7 +174,23 @@ def choose_splits(
         overhead_keys=PROGRAM_OVERHEAD_KEYS,
         merge_keys_per_split=merge_keys_per_split(partial_bytes, slots, head_size, cache_bytes),
         copies=num_kv_heads,
+        key_ranges=True,
+        merge_split_only=True,
     )
+
+
+def split_steps(
+    choice: SplitChoice, longest_keys: int, block_n: int, slots: int
+) -> tuple[int, int]:
+    """(the most key steps of a range, ranges of the longest tile) that run ``choice`` in a
+    launch of ``slots`` split slots: its ranges, widened where the longest tile would
+    need more ranges than the slots (a CUDA graph's launch): the slots are then all
+    used, as the rule chosen within them would not (its key ranges are powers of two:
+    H200, twenty-first session, D 64 mixed in a graph of 8 slots took 5 ranges of 4096
+    keys, 198.5 us, where 8 even shares took 175.2)."""
+    steps = -(-max(longest_keys, 1) // block_n)
+    per_split = max(1, choice.keys_per_split // block_n, -(-steps // slots))
+    return per_split, -(-steps // per_split)
 
 
 def split_slots(num_splits: int) -> int:

@@ -65,7 +65,7 @@ class LaunchShape:
             query_start_loc=s((self.num_reqs + 1,), i32),
             seq_lens=s((self.num_reqs,), i32),
             block_table=s((self.num_reqs, self.table_width), i32),
-            num_splits=s((1,), i32),
+            split_steps=s((1,), i32),
         )
         return (
             s((self.num_tokens, cfg.num_heads, cfg.head_size), jnp.dtype(self.dtype)),

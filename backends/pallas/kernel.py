@@ -115,7 +115,7 @@ def _paged_attention_kernel(
     query_start_loc_ref,  # [num_reqs + 1] int32
     seq_lens_ref,  # [num_reqs] int32
     block_table_ref,  # [num_reqs, max_blocks] int32
-    num_splits_ref,  # [1] int32: the step's split count, 1 <= it <= cfg.split_slots
+    split_steps_ref,  # [1] int32: the most key steps (block_n keys) of a split's range
     slopes_ref,  # [num_heads] float32 (ALiBi; read only when cfg.use_alibi)
     sinks_ref,  # [num_heads] float32 (read only when cfg.use_sinks)
     q_ref,  # [T, num_heads, head_size]
@@ -140,7 +140,7 @@ def _paged_attention_kernel(
                 query_start_loc_ref,
                 seq_lens_ref,
                 block_table_ref,
-                num_splits_ref,
+                split_steps_ref,
                 slopes_ref,
                 sinks_ref,
                 q_ref,
@@ -153,10 +153,14 @@ def _paged_attention_kernel(
         if not lse_refs:
             attend()
             return
-        # a slot past the step's split count (a CUDA graph's launch keeps the slots of
-        # its capture) has no keys: it only marks its rows empty, without loading the
-        # query tile
-        busy = split < num_splits_ref[0]
+        # a slot past the tile's key ranges (a short request beside a long one; a CUDA
+        # graph's launch keeps the slots of its capture) has no keys: it only marks its
+        # rows empty, without loading the query tile
+        step_lo, step_hi = _tile_steps(
+            tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg
+        )
+        ranges, _ = _tile_ranges(step_hi - step_lo, split_steps_ref[0], cfg)
+        busy = split < ranges
         pl.when(busy)(attend)
 
         @pl.when(jnp.logical_not(busy))
@@ -166,6 +170,35 @@ def _paged_attention_kernel(
             )
             empty = jnp.full((cfg.block_m,), -jnp.inf, jnp.float32)
             pl_triton.store(lse_refs[0].at[token, split, head], empty, mask=row_valid)
+
+
+def _tile_steps(tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg):
+    """[first, end) key steps (``block_n`` keys each) a tile's rows can see: up to its
+    last query row (causal), from its first one's window (sliding window)."""
+    q_start = query_start_loc_ref[req]
+    q_len = query_start_loc_ref[req + 1] - q_start
+    seq_len = seq_lens_ref[req]
+    context_len = seq_len - q_len
+    tile_q0 = tile_qstart_ref[tile]
+    first_q = context_len + tile_q0
+    last_q = context_len + jnp.minimum(tile_q0 + cfg.block_q, q_len) - 1
+    kv_hi = jnp.minimum(last_q + 1, seq_len) if cfg.causal else seq_len
+    kv_lo = jnp.int32(0)
+    if cfg.sliding_window is not None:
+        kv_lo = jnp.maximum(first_q - (cfg.sliding_window - 1), 0)
+        if not cfg.causal:
+            kv_hi = jnp.minimum(last_q + cfg.sliding_window, seq_len)
+    return kv_lo // cfg.block_n, (kv_hi + cfg.block_n - 1) // cfg.block_n
+
+
+def _tile_ranges(steps, split_steps, cfg):
+    """(ranges, key steps of each) of a tile of ``steps`` key steps: as many ranges as
+    ranges of ``split_steps`` steps would take (a short tile beside a long one takes
+    few programs and writes few partials), at most the launch's slots (the host's count
+    of the longest tile's steps must not drop a key if short), the steps shared evenly
+    among them (none longer than ``split_steps`` unless the slots cap the count)."""
+    ranges = jnp.clip((steps + split_steps - 1) // split_steps, 1, cfg.split_slots)
+    return ranges, (steps + ranges - 1) // ranges
 
 
 def _tile_rows(tile, kv_head, req, tile_qstart_ref, query_start_loc_ref, num_tokens, cfg):
@@ -194,7 +227,7 @@ def _attend_tile(
     query_start_loc_ref,
     seq_lens_ref,
     block_table_ref,
-    num_splits_ref,
+    split_steps_ref,
     slopes_ref,
     sinks_ref,
     q_ref,
@@ -243,21 +276,13 @@ def _attend_tile(
     )  # [bm, dp]
 
     # -- the keys this tile can see --------------------------------------------------
-    first_q = context_len + tile_q0
-    last_q = context_len + jnp.minimum(tile_q0 + cfg.block_q, q_len) - 1
-    kv_hi = jnp.minimum(last_q + 1, seq_len) if cfg.causal else seq_len
-    kv_lo = jnp.int32(0)
-    if cfg.sliding_window is not None:
-        kv_lo = jnp.maximum(first_q - (cfg.sliding_window - 1), 0)
-        if not cfg.causal:
-            kv_hi = jnp.minimum(last_q + cfg.sliding_window, seq_len)
-    step_lo = kv_lo // bn
-    step_hi = (kv_hi + bn - 1) // bn
+    step_lo, step_hi = _tile_steps(
+        tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg
+    )
     if cfg.split_slots > 1:
-        # the range cut into num_splits parts (a program past them does not get here:
-        # the kernel's entry marks its rows empty); a short range may leave a part empty
-        num_splits = num_splits_ref[0]
-        per_split = (step_hi - step_lo + num_splits - 1) // num_splits
+        # split s takes the s-th of the tile's ranges (a program past them does not get
+        # here: the kernel's entry marks its rows empty)
+        _, per_split = _tile_ranges(step_hi - step_lo, split_steps_ref[0], cfg)
         first = jnp.minimum(step_lo + split * per_split, step_hi)
         step_hi = jnp.minimum(first + per_split, step_hi)
         step_lo = first
@@ -370,7 +395,9 @@ class StepArrays(NamedTuple):
     query_start_loc: jax.Array  # [num_reqs + 1]
     seq_lens: jax.Array  # [num_reqs]
     block_table: jax.Array  # [num_reqs, max_blocks]
-    num_splits: jax.Array  # [1]: KV splits of this step, 1 to cfg.split_slots
+    # [1]: the most key steps (block_n keys) of a split's range; a tile's ranges (at
+    # most cfg.split_slots) cover its keys
+    split_steps: jax.Array
 
 
 def paged_attention(
@@ -492,7 +519,7 @@ def _check_shapes(q, kv_cache, step: StepArrays, cfg: KernelConfig) -> None:
         "tile_qstart": (step.tile_qstart.shape, step.tile_req.shape),
         "query_start_loc": (step.query_start_loc.shape, (num_reqs + 1,)),
         "block_table": (step.block_table.shape[:1], (num_reqs,)),
-        "num_splits": (step.num_splits.shape, (1,)),
+        "split_steps": (step.split_steps.shape, (1,)),
     }
     for name, (got, expected) in want.items():
         if tuple(got) != tuple(expected):

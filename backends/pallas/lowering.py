@@ -94,7 +94,7 @@ def abstract_args(cfg: KernelConfig, dtype: str, cache_dtype: str) -> tuple:
         query_start_loc=s((_B + 1,), i32),
         seq_lens=s((_B,), i32),
         block_table=s((_B, _W), i32),
-        num_splits=s((1,), i32),
+        split_steps=s((1,), i32),
     )
     return (
         s((_T, cfg.num_heads, cfg.head_size), jnp.dtype(dtype)),
@@ -189,7 +189,7 @@ def smoke(target: str) -> str:
     zeros = jnp.zeros(cfg.num_heads, jnp.float32)
     step = StepArrays(
         *(jnp.asarray(a) for a in (tile_req, tile_qstart, qsl, seq_lens, table)),
-        num_splits=jnp.ones(1, jnp.int32),
+        split_steps=jnp.ones(1, jnp.int32),
     )
     try:
         out = paged_attention(
