@@ -119,9 +119,9 @@ def tile_keys(
     block_n: int,
 ) -> np.ndarray:
     """Keys each live query tile visits (one KV head): its request's keys up to the
-    tile's last query row (causal); with a window, at most the window, the tile's rows
-    and a key step (the kernel's steps are aligned to ``block_n`` keys, a window's
-    first key is not)."""
+    tile's last query row (causal); with a window, at most the window (both sides of
+    the rows without the causal mask), the tile's rows and a key step (the kernel's
+    steps are aligned to ``block_n`` keys, a window's first key is not)."""
     live = tile_req >= 0
     req = tile_req[live]
     seq = seq_lens[req].astype(np.int64)
@@ -129,7 +129,8 @@ def tile_keys(
         q_len = query_lens[req]
         seq = seq - q_len + np.minimum(tile_qstart[live] + block_q, q_len)
     if window is not None:
-        seq = np.minimum(seq, window + block_q + block_n)
+        span = window if causal else 2 * window
+        seq = np.minimum(seq, span + block_q + block_n)
     return seq
 
 
@@ -155,8 +156,9 @@ def choose_splits(
     The kernel cuts each tile's keys into as many ranges as ranges of
     ``keys_per_split`` keys take, shared evenly, so a short tile takes fewer programs
     (and writes fewer partials) than the longest one's ``num_splits``: even shares of
-    the longest tile (the rule's default) and the rule's fixed key ranges both run so. Only the ranges cut write partials that the merge
-    reads (``merge_split_only``). A launch of fewer split slots widens the ranges
+    the longest tile (the rule's default) and the rule's fixed key ranges both run so.
+    The merge's cost is counted per range that a tile's cut adds
+    (``merge_split_only``). A launch of fewer split slots widens the ranges
     (``split_steps``)."""
     longest = int(np.max(tile_keys, initial=0))
     if forced or longest <= 0:
