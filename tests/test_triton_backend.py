@@ -29,6 +29,8 @@ from pagedkv import (
 from pagedkv.backends.triton.attention_kernel import fp16_rows
 from pagedkv.backends.triton.builder import TritonMetadataBuilder
 from pagedkv.backends.triton.configs import (
+    BYTES_IN_FLIGHT_PER_SM,
+    MIN_STEP_BYTES,
     SPLIT_PARTIAL_BYTES,
     SPLIT_POLICY,
     LaunchForm,
@@ -41,7 +43,9 @@ from pagedkv.backends.triton.configs import (
     partial_bytes_per_split,
     plan_step,
     plan_tiles,
+    saturates,
     slots_per_sm,
+    step_bytes,
     step_splits,
 )
 from pagedkv.backends.triton.parts import decode_and_longer_runs
@@ -374,6 +378,27 @@ def test_the_compiled_registers_choose_the_fp8_tile():
     assert _plan(fp8, [4096] * 64, [1] * 64).tile.tile_n == 32
     # nothing compiled (fit gives None): the estimate decides
     assert _plan(fp8, [4096] * 64, [1] * 64, fit=lambda tile, split: None).tile.tile_n == 32
+
+
+def test_small_key_steps_do_not_count_as_saturating():
+    """The twenty-second session's H200 compile of m16-n32 (D 128, bf16) took 80
+    registers split: 6 programs x 16 KiB reach the 96 KiB in flight that m16-n64's 4 x
+    32 KiB exceed, but ran slower on every decode row. A step must hold MIN_STEP_BYTES
+    (32 KiB) to count; a layer too narrow for that (D 16) takes its widest step."""
+    registers = {16: (80, 80), 32: (92, 80), 64: (128, 126), 128: (241, 200)}
+
+    def fit(tile: TileConfig, form: LaunchForm) -> KernelFit:
+        regs = registers[tile.tile_n][form is not LaunchForm.UNSPLIT]
+        return KernelFit(regs, 0, 0, 65536 // (-(-regs // 8) * 8 * 32 * tile.num_warps))
+
+    plan = _plan(H200_LAYER, [32768] * 4, [1] * 4, fit=fit)
+    assert plan.tile.tile_n == 64, plan
+    assert step_bytes(H200_LAYER, 32) * 6 >= BYTES_IN_FLIGHT_PER_SM
+    assert not saturates(H200_LAYER, 32, 6 * step_bytes(H200_LAYER, 32))
+    assert saturates(H200_LAYER, 64, 4 * step_bytes(H200_LAYER, 64))
+    narrow = LayerShape.of(SPEC.replace(head_size=16))
+    widest = step_bytes(narrow, 128)
+    assert widest < MIN_STEP_BYTES and saturates(narrow, 128, 12 * widest)
 
 
 def test_eager_key_ranges_may_fall_between_powers_of_two():

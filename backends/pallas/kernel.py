@@ -130,17 +130,24 @@ def _paged_attention_kernel(
 
     @pl.when(req >= 0)
     def _():
-        def attend():
+        # the keys of the tile (computed once: the entry decides from them which slots
+        # hold a range, and passes the program its own)
+        step_lo, step_hi = _tile_steps(
+            tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg
+        )
+
+        def attend(first, end):
             _attend_tile(
                 tile,
                 kv_head,
                 split,
                 req,
+                first,
+                end,
                 tile_qstart_ref,
                 query_start_loc_ref,
                 seq_lens_ref,
                 block_table_ref,
-                split_steps_ref,
                 slopes_ref,
                 sinks_ref,
                 q_ref,
@@ -151,17 +158,15 @@ def _paged_attention_kernel(
             )
 
         if not lse_refs:
-            attend()
+            attend(step_lo, step_hi)
             return
-        # a slot past the tile's key ranges (a short request beside a long one; a CUDA
-        # graph's launch keeps the slots of its capture) has no keys: it only marks its
-        # rows empty, without loading the query tile
-        step_lo, step_hi = _tile_steps(
-            tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg
-        )
-        ranges, _ = _tile_ranges(step_hi - step_lo, split_steps_ref[0], cfg)
+        # split s takes the s-th of the tile's ranges; a slot past them (a short request
+        # beside a long one; a CUDA graph's launch keeps the slots of its capture) has no
+        # keys: it only marks its rows empty, without loading the query tile
+        ranges, per_split = _tile_ranges(step_hi - step_lo, split_steps_ref[0], cfg)
         busy = split < ranges
-        pl.when(busy)(attend)
+        first = jnp.minimum(step_lo + split * per_split, step_hi)
+        pl.when(busy)(lambda: attend(first, jnp.minimum(first + per_split, step_hi)))
 
         @pl.when(jnp.logical_not(busy))
         def _():
@@ -223,11 +228,12 @@ def _attend_tile(
     kv_head,
     split,
     req,
+    step_lo,  # the program's key steps (``block_n`` keys each): [step_lo, step_hi)
+    step_hi,
     tile_qstart_ref,
     query_start_loc_ref,
     seq_lens_ref,
     block_table_ref,
-    split_steps_ref,
     slopes_ref,
     sinks_ref,
     q_ref,
@@ -274,18 +280,6 @@ def _attend_tile(
         mask=row_mask,
         other=0,
     )  # [bm, dp]
-
-    # -- the keys this tile can see --------------------------------------------------
-    step_lo, step_hi = _tile_steps(
-        tile, req, tile_qstart_ref, query_start_loc_ref, seq_lens_ref, cfg
-    )
-    if cfg.split_slots > 1:
-        # split s takes the s-th of the tile's ranges (a program past them does not get
-        # here: the kernel's entry marks its rows empty)
-        _, per_split = _tile_ranges(step_hi - step_lo, split_steps_ref[0], cfg)
-        first = jnp.minimum(step_lo + split * per_split, step_hi)
-        step_hi = jnp.minimum(first + per_split, step_hi)
-        step_lo = first
 
     # -- running softmax state (base 2); the sink joins split 0's denominator --------
     neg_inf = jnp.float32(-jnp.inf)

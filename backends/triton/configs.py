@@ -89,6 +89,15 @@ TILE_N_CHOICES = (16, 32, 64, 128)
 # one split ran at 71% (364 us): unsplit, it takes 164 registers (3 programs per SM),
 # split 124 (4); the estimate knows only the first (open: docs/triton.md).
 BYTES_IN_FLIGHT_PER_SM = 96 * 1024
+# ... in steps of at least this many K/V bytes (or the widest step, where it holds
+# fewer): a step's fixed work (page lookups, the softmax's row statistics, the rescale)
+# is paid per step, not per byte. H200, D 128, bf16 (twenty-second session): m16-n32
+# (16 KiB steps) compiled to 80 registers, 6 programs per SM (96 KiB in flight), and
+# ran slower than m16-n64 (32 KiB, 4 programs) on every decode row: 4 x 32k 145.9
+# against 142.6 us, ragged 128 234.0 against 228.7, speculative 64 x 4 293.2 against
+# 284.9. Every tile the rule picked on the H200 before (D 64 n128, D 128 n64, D 256 n32,
+# fp8 D 128 n128) holds 32 KiB a step.
+MIN_STEP_BYTES = 32 * 1024
 # Compute-bound programs: fp32 score values per thread. H200 prefill 8 x 2048, D 128:
 # m64-n32-w4 (16 per thread) 1012 us against 1113 us for m128-n64-w8 (32).
 SCORES_PER_THREAD = 16
@@ -467,6 +476,21 @@ def num_stages(layer: LayerShape) -> int:
     return 1 if layer.fp32 and layer.cache_bytes == 1 else 2
 
 
+def step_bytes(layer: LayerShape, tile_n: int) -> int:
+    """K/V bytes one key step of ``tile_n`` keys loads (a K and a V tile)."""
+    return 2 * tile_n * layer.head_pad * layer.cache_bytes
+
+
+def saturates(layer: LayerShape, tile_n: int, in_flight: int) -> bool:
+    """Whether memory-bound programs of ``tile_n``-key steps keep HBM busy: enough K/V
+    bytes in flight per SM (``in_flight``), in steps of at least ``MIN_STEP_BYTES`` (or
+    the widest step's bytes, for layers too narrow to reach it)."""
+    widest = step_bytes(layer, TILE_N_CHOICES[-1])
+    return in_flight >= BYTES_IN_FLIGHT_PER_SM and step_bytes(layer, tile_n) >= min(
+        MIN_STEP_BYTES, widest
+    )
+
+
 def choose_tile(
     layer: LayerShape, block_m: int, memory_bound: bool, fit: FitSource | None = None
 ) -> TileConfig:
@@ -490,13 +514,12 @@ def _estimated_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> Tile
         tiles = [t for t in fitting if t.num_warps == warps]
         if memory_bound and tiles:
             # the smallest key step with enough K/V bytes in flight per SM to saturate
-            # HBM (fewer registers: more programs for the tail); short of that, the
-            # most bytes in flight, in the fewest steps
+            # HBM, in steps large enough (fewer registers: more programs for the tail);
+            # short of that, the most bytes in flight, in the fewest steps
             def in_flight(t: TileConfig) -> int:
-                tile_bytes = 2 * t.tile_n * layer.head_pad * layer.cache_bytes
-                return programs_per_sm(layer, t) * tile_bytes
+                return programs_per_sm(layer, t) * step_bytes(layer, t.tile_n)
 
-            enough = [t for t in tiles if in_flight(t) >= BYTES_IN_FLIGHT_PER_SM]
+            enough = [t for t in tiles if saturates(layer, t.tile_n, in_flight(t))]
             if enough:
                 return min(enough, key=lambda t: t.tile_n)
             return max(tiles, key=lambda t: (in_flight(t), t.tile_n))
@@ -518,11 +541,12 @@ def _estimated_tile(layer: LayerShape, block_m: int, memory_bound: bool) -> Tile
 
 def _compiled_memory_tile(layer: LayerShape, block_m: int, fit: FitSource) -> TileConfig | None:
     """The memory-bound rule of ``choose_tile`` over the compiled kernels: the smallest
-    key step whose split launch (decode steps mostly split: ``makespan_splits``) holds
-    ``BYTES_IN_FLIGHT_PER_SM`` of K/V per SM, among the tiles that compile without a
-    spill, split or not; short of that, the most bytes in flight. Nothing is assumed
-    of the tiles' registers, so tiles the estimate rejects (fp8 m16-n128: estimated 460
-    registers, compiled 168) are candidates. None where nothing compiles here."""
+    key step (of ``MIN_STEP_BYTES`` at least: ``saturates``) whose split launch (decode
+    steps mostly split: ``makespan_splits``) holds ``BYTES_IN_FLIGHT_PER_SM`` of K/V per
+    SM, among the tiles that compile without a spill, split or not; short of that, the
+    most bytes in flight. Nothing is assumed of the tiles' registers, so tiles the
+    estimate rejects (fp8 m16-n128: estimated 460 registers, compiled 168) are
+    candidates. None where nothing compiles here."""
     short: tuple[int, TileConfig] | None = None
     for tile_n in TILE_N_CHOICES:
         tile = TileConfig(block_m, tile_n, 4, num_stages(layer))
@@ -533,8 +557,8 @@ def _compiled_memory_tile(layer: LayerShape, block_m: int, fit: FitSource) -> Ti
             return None
         if split.spill_bytes > SPILL_SLACK_BYTES or split.programs_per_sm == 0:
             continue
-        in_flight = split.programs_per_sm * 2 * tile_n * layer.head_pad * layer.cache_bytes
-        enough = in_flight >= BYTES_IN_FLIGHT_PER_SM
+        in_flight = split.programs_per_sm * step_bytes(layer, tile_n)
+        enough = saturates(layer, tile_n, in_flight)
         if not enough and short is not None and short[0] >= in_flight:
             continue
         whole = fit(tile, LaunchForm.UNSPLIT)  # unsplit, the tile must not spill either
