@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedkv import AttentionSpec, CommonAttentionMetadata, MetadataError, UnsupportedError
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.conformance import TOLERANCES, Scenario
@@ -23,9 +25,44 @@ from pagedkv.toolkit.split_kv import (
     merge_by_lse,
     plan_decode_slices,
     split_problem,
+    tile_keys,
 )
 
 # -- planning ----------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq_len=st.integers(1, 300),
+    data=st.data(),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 64)),
+    key_step=st.sampled_from([1, 16, 64]),
+)
+def test_tile_keys_bound_the_keys_a_tile_sees(seq_len, data, causal, window, key_step):
+    """The keys the makespan rule weighs for a tile (every backend's planner uses the
+    toolkit's ``tile_keys``): exactly the keys some row of the tile sees without a
+    window; with one, never fewer, and at most the window's span beside the rows and a
+    key step."""
+    q_len = data.draw(st.integers(1, seq_len))
+    first = data.draw(st.integers(0, q_len - 1))
+    end = data.draw(st.integers(first + 1, q_len))
+    pos = np.arange(seq_len - q_len + first, seq_len - q_len + end)[:, None]  # rows
+    keys = np.arange(seq_len)[None, :]
+    seen = keys <= pos if causal else np.ones_like(keys <= pos)
+    if window is not None:
+        seen &= pos - keys < window
+        if not causal:
+            seen &= keys - pos < window
+    exact = int(seen.any(axis=0).sum())
+    one = lambda v: np.array([v])  # noqa: E731
+    est = tile_keys(one(seq_len), one(q_len), one(first), one(end), causal=causal,
+                    window=window, key_step=key_step)  # fmt: skip
+    assert est.shape == (1,)
+    if window is None:
+        assert est[0] == exact
+    else:
+        assert exact <= est[0] <= (window if causal else 2 * window) + (end - first) + key_step
 
 
 def _step():

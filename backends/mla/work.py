@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from pagedkv.backends.mla.configs import PROGRAM_OVERHEAD_KEYS, SPLIT_POLICY
+from pagedkv.toolkit import split_kv
 from pagedkv.toolkit.split_kv import SplitChoice
 
 
@@ -97,15 +98,13 @@ def choose_ranges(
 
 def tile_keys(tiles: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, num_heads: int,
               block_m: int, causal: bool) -> np.ndarray:  # fmt: skip
-    """The keys each tile visits: its request's sequence, or (causal) up to its last
-    query token's position."""
+    """The keys each tile visits: the toolkit's ``tile_keys`` over the query tokens of
+    its rows (``block_m`` rows from ``row0``, each a token x one of ``num_heads`` heads)."""
     req, row0 = tiles[0], tiles[1].astype(np.int64)
-    seq = seq_lens[req].astype(np.int64)
-    if not causal:
-        return seq.astype(np.float64)
     q = query_lens[req].astype(np.int64)
-    last = np.minimum(row0 + block_m - 1, q * num_heads - 1) // num_heads
-    return (seq - q + last + 1).astype(np.float64)
+    first = row0 // num_heads
+    end = np.minimum(row0 + block_m - 1, q * num_heads - 1) // num_heads + 1
+    return split_kv.tile_keys(seq_lens[req], q, first, end, causal=causal)
 
 
 def max_items(num_tiles: int, num_splits: int) -> int:

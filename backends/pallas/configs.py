@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pagedkv.errors import ConfigError
 from pagedkv.intmath import next_power_of_2, prev_power_of_2
+from pagedkv.toolkit import split_kv
 from pagedkv.toolkit.split_kv import (
     SplitChoice,
     SplitPolicy,
@@ -118,20 +119,17 @@ def tile_keys(
     window: int | None,
     block_n: int,
 ) -> np.ndarray:
-    """Keys each live query tile visits (one KV head): its request's keys up to the
-    tile's last query row (causal); with a window, at most the window (both sides of
-    the rows without the causal mask), the tile's rows and a key step (the kernel's
-    steps are aligned to ``block_n`` keys, a window's first key is not)."""
+    """Keys each live query tile visits (one KV head): the toolkit's ``tile_keys`` over
+    the tiles' query rows (``block_q`` queries from ``tile_qstart``, at most the
+    request's), the kernel's key steps ``block_n`` keys."""
     live = tile_req >= 0
     req = tile_req[live]
-    seq = seq_lens[req].astype(np.int64)
-    if causal:
-        q_len = query_lens[req]
-        seq = seq - q_len + np.minimum(tile_qstart[live] + block_q, q_len)
-    if window is not None:
-        span = window if causal else 2 * window
-        seq = np.minimum(seq, span + block_q + block_n)
-    return seq
+    q_len = query_lens[req]
+    first = tile_qstart[live]
+    return split_kv.tile_keys(
+        seq_lens[req], q_len, first, np.minimum(first + block_q, q_len),
+        causal=causal, window=window, key_step=block_n,
+    )  # fmt: skip
 
 
 def choose_splits(

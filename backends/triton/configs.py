@@ -42,6 +42,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.intmath import cdiv, next_power_of_2, prev_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit import split_kv
 from pagedkv.toolkit.launch import KernelFit
 from pagedkv.toolkit.split_kv import SplitChoice, SplitPolicy, merge_keys_per_split, splits_within
 
@@ -815,24 +816,24 @@ def work_items(step: StepShape, choice: SplitChoice) -> np.ndarray:
     return np.where(step.query_lens > 0, items, 0)
 
 
-def program_keys(layer: LayerShape, step: StepShape, block_q: int) -> np.ndarray:
+def program_keys(layer: LayerShape, step: StepShape, block_q: int, tile_n: int) -> np.ndarray:
     """Keys each query block of the step visits (one entry per query block, for one KV
-    head): its sequence, cut by the causal horizon of its last query and the window."""
+    head): the toolkit's ``tile_keys`` over its queries (the kernel's steps ``tile_n``
+    keys)."""
     live = step.query_lens > 0
     q, seq = step.query_lens[live], step.seq_lens[live]
-    if step.max_query_len <= block_q:  # one block per request (decodes): its sequence
-        keys = seq if layer.window is None else np.minimum(seq, layer.window + block_q)
-        return keys.astype(np.float64)
-    blocks = -(-q // block_q)
-    owner = np.repeat(np.arange(len(q)), blocks)
-    first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
-    index = np.arange(len(owner)) - first_block  # query block within its request
-    last_query = np.minimum((index + 1) * block_q, q[owner])  # queries up to here
-    context = (seq - q)[owner]
-    keys = context + last_query if layer.causal else seq[owner]
-    if layer.window is not None:
-        keys = np.minimum(keys, layer.window + block_q)
-    return keys.astype(np.float64)
+    if step.max_query_len <= block_q:  # one block per request (decodes): its queries
+        first, end, owner = np.zeros_like(q), q, np.arange(len(q))
+    else:
+        blocks = -(-q // block_q)
+        owner = np.repeat(np.arange(len(q)), blocks)
+        first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
+        first = (np.arange(len(owner)) - first_block) * block_q  # block within its request
+        end = np.minimum(first + block_q, q[owner])
+    return split_kv.tile_keys(
+        seq[owner], q[owner], first, end,
+        causal=layer.causal, window=layer.window, key_step=tile_n,
+    )  # fmt: skip
 
 
 def makespan_splits(
@@ -938,7 +939,7 @@ def _makespan_inputs(
         ),
         copies=layer.num_kv_heads,
     )
-    return program_keys(layer, step, block_q), split_slots, range_slots, costs
+    return program_keys(layer, step, block_q, tile.tile_n), split_slots, range_slots, costs
 
 
 def invariant_tile(layer: LayerShape) -> TileConfig:

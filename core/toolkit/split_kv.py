@@ -310,6 +310,32 @@ class SplitPolicy:
         return SplitChoice(cdiv(max_seq_len, keys), keys)
 
 
+def tile_keys(
+    seq_lens: np.ndarray,
+    query_lens: np.ndarray,
+    first_query: np.ndarray,
+    end_query: np.ndarray,
+    *,
+    causal: bool,
+    window: int | None = None,
+    key_step: int = 1,
+) -> np.ndarray:
+    """Keys a query tile visits (for one KV head), the work the makespan rule weighs:
+    per tile, its request's ``seq_lens`` and ``query_lens`` and its queries ``[first_query,
+    end_query)`` within the request. Causal: the keys up to its last query's position.
+    With a sliding window, at most the window's keys (on both sides of each row without
+    the causal mask) beside the tile's rows, plus one ``key_step`` (a kernel's steps are
+    aligned to it, a window's first key is not)."""
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    if causal:
+        seq = seq - np.asarray(query_lens, dtype=np.int64) + np.asarray(end_query, np.int64)
+    if window is not None:
+        rows = np.asarray(end_query, np.int64) - np.asarray(first_query, np.int64)
+        span = window if causal else 2 * window
+        seq = np.minimum(seq, span + rows + key_step)
+    return seq.astype(np.float64)
+
+
 def splits_within(budget_bytes: int, bytes_per_split: int) -> int:
     """The most splits whose partial results (``bytes_per_split`` each) fit in
     ``budget_bytes``; at least one (an unsplit step writes none)."""
