@@ -278,6 +278,19 @@ def test_two_part_steps_are_planned_as_two_launches():
         assert decode_part.plan.num_splits > 1, (scenario.name, md.describe())
 
 
+def test_a_padded_two_part_step_matches_the_reference():
+    """Decodes, then a chunk and a request without queries (the padding joins the
+    chunk's launch): two launches, exact."""
+    scenario = Scenario(
+        "two-parts-padded", seq_lens=(1100, 33, 300, 5), query_lens=(1, 1, 20, 0),
+        num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+    problem = build_problem(scenario, DEVICE)
+    md = pagedkv.get_backend("triton").make_builder(problem.spec, DEVICE).build(problem.common)
+    assert [(p.first, p.end) for p in md.parts] == [(0, 2), (2, 4)], md.describe()
+    _check(scenario)
+
+
 def test_automatic_split_on_a_long_decode():
     """One long sequence, few programs: the builder splits on its own and stays exact."""
     scenario = Scenario(
@@ -518,6 +531,12 @@ def test_mixed_steps_launch_decodes_and_chunks_apart():
     assert chunk.plan.tile.block_m == 64
     reverse = plan_step(H200_LAYER, _step([4352] + [2048] * 4, [256] + [1] * 4), H200_SMS)
     assert [(p.first, p.end) for p in reverse] == [(0, 1), (1, 5)]
+    # a request without queries (padding) joins the run before it, as in a CUDA-graph
+    # step (parts.decode_and_longer_runs, the one split of a step into its two runs)
+    padded = plan_step(H200_LAYER, _step([4352, 2048, 2048, 1], [256, 1, 1, 0]), H200_SMS)
+    assert [(p.first, p.end) for p in padded] == [(0, 1), (1, 4)]
+    padded = plan_step(H200_LAYER, _step([2048, 4352, 1], [1, 256, 0]), H200_SMS)
+    assert [(p.first, p.end) for p in padded] == [(0, 1), (1, 3)]
     # interleaved kinds, forced tiles and CUDA-graph plans stay one launch
     interleaved = _step([2048, 4352, 2048], [1, 256, 1])
     assert len(plan_step(H200_LAYER, interleaved, H200_SMS)) == 1

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pagedkv.backends.triton.parts import decode_and_longer_runs
 from pagedkv.errors import ConfigError
 from pagedkv.intmath import cdiv, next_power_of_2, prev_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
@@ -621,11 +622,9 @@ def plan_step(
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits or forced_keys):
-        decode_like = step.query_lens <= SPLIT_POLICY.max_query_len
-        changes = np.flatnonzero(decode_like[1:] != decode_like[:-1])
-        if len(changes) == 1:
-            cut = int(changes[0]) + 1
-            parts = [(0, cut), (cut, n)]
+        runs = decode_and_longer_runs(step.query_lens, SPLIT_POLICY.max_query_len)
+        if all(end > first for first, end in runs):
+            parts = sorted(runs)
     multiples = (1.0,) if len(parts) == 2 else EAGER_RANGE_MULTIPLES
     return tuple(
         StepPart(
