@@ -51,7 +51,7 @@ from pagedkv.backends.triton.configs import (
 from pagedkv.backends.triton.parts import decode_and_longer_runs
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
-from pagedkv.toolkit.launch import KernelFit
+from pagedkv.toolkit.launch import MAX_GRID_Y, KernelFit
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -201,7 +201,7 @@ def test_fixed_key_range_splits_match_reference(scenario, split_grid):
     if listed:
         keys = plan.tiles_per_split * plan.tile.tile_n
         items = sum(-(-n // keys) for n in scenario.seq_lens)
-        assert attention.grid == (items, scenario.num_kv_heads, 1)
+        assert attention.grid == (items * scenario.num_kv_heads, 1, 1)
         assert attention.kwargs["RangeStarts"].tolist()[-1] == items
     else:
         assert attention.grid[2] == plan.num_splits
@@ -209,7 +209,7 @@ def test_fixed_key_range_splits_match_reference(scenario, split_grid):
         by_request = max(scenario.query_lens) <= plan.block_q and plan.split
         assert attention.kwargs["BLOCK_PER_REQUEST"] == by_request
         if by_request:
-            assert attention.grid[0] == len(scenario.seq_lens)
+            assert attention.grid[:2] == (scenario.num_kv_heads, len(scenario.seq_lens))
     _check(scenario, split_grid=split_grid)
 
 
@@ -250,12 +250,28 @@ def test_split_decode_grid_has_one_program_per_request(splits):
     assert (metadata.plan.num_splits > 1) == (splits > 1)
     assert attention.kwargs["BLOCK_PER_REQUEST"]
     assert not attention.kwargs["RANGE_LIST"]
-    assert attention.grid == (4, decode.num_kv_heads, metadata.plan.num_splits)
+    assert attention.grid == (decode.num_kv_heads, 4, metadata.plan.num_splits)
     _check(decode, num_splits=splits)
     prefill = decode.replace(name="prefills", query_lens=(37, 3, 90, 64))
     problem = build_problem(prefill, DEVICE)
     metadata = backend.make_builder(problem.spec, DEVICE).build(problem.common)
     assert not metadata.parts[0].attention.kwargs["BLOCK_PER_REQUEST"]
+
+
+def test_a_decode_step_past_the_grid_axis_limit_searches_for_its_requests():
+    """A by-request grid puts the requests on CUDA's second axis (at most 65535): a
+    bigger decode step takes the query-block grid, whose first axis has room."""
+    spec = AttentionSpec(
+        num_heads=2, num_kv_heads=1, head_size=32, dtype=torch.float16, block_size=16
+    )
+    builder = pagedkv.get_backend("triton", num_splits=1).make_builder(spec, DEVICE)
+    for num_reqs, by_request in ((MAX_GRID_Y, True), (MAX_GRID_Y + 1, False)):
+        common = CommonAttentionMetadata.from_requests(
+            [5] * num_reqs, [1] * num_reqs, [[i] for i in range(num_reqs)], 16, DEVICE
+        )
+        attention = builder.build(common).parts[0].attention
+        assert attention.kwargs["BLOCK_PER_REQUEST"] == by_request
+        assert max(attention.grid[1:]) <= MAX_GRID_Y, attention.grid
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bfloat16 needs a GPU (Triton's interpreter gets it wrong)")
@@ -699,7 +715,8 @@ def test_keys_per_split_override_runs_fixed_ranges():
     assert plan.num_splits == -(-1100 // (3 * tile_n)), md.describe()
     attention = md.parts[0].attention
     assert attention.kwargs["RANGE_LIST"]
-    assert attention.grid[0] == sum(-(-n // (3 * tile_n)) for n in seq_lens)
+    # an item's KV heads adjacent: one axis of items x heads
+    assert attention.grid == (sum(-(-n // (3 * tile_n)) for n in seq_lens) * 2, 1, 1)
     q = torch.randn(4, 4, 32, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
     want = impl.forward(q, None, None, cache, eager_builder.build(common, num_splits=1))
     assert torch.allclose(impl.forward(q, None, None, cache, md), want, atol=1e-3, rtol=1e-3)
@@ -750,7 +767,7 @@ def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
         cap = configs.graph_items(layer, md.plan, 8, builder.num_sms)
         assert cap < 8 * md.plan.num_splits  # the cap binds
         grids.add(attention.grid)
-        assert attention.grid == (cap, 2, 1)
+        assert attention.grid == (cap * 2, 1, 1)
         totals.append(attention.kwargs["RangeStarts"].tolist()[-1])
         assert totals[-1] <= cap
         n = common.num_tokens
@@ -821,7 +838,7 @@ def test_reserved_decode_steps_choose_their_own_splits():
         # GRAPH_ITEM_WAVES waves here); this step's work items (its ranges that hold
         # keys, or all its splits) come first
         attention = md.parts[0].attention
-        assert attention.kwargs["RANGE_LIST"] and attention.grid == (8 * plan.num_splits, 2, 1)
+        assert attention.kwargs["RANGE_LIST"] and attention.grid == (8 * plan.num_splits * 2, 1, 1)
         per_request = [-(-n // keys) if choice.fixed_ranges else splits for n in seq_lens]
         assert attention.kwargs["RangeStarts"].tolist()[-1] == sum(per_request)
         buffers = [num_splits, *(md.parts[0].attention.kwargs[k] for k in ("PartAcc", "PartMax"))]

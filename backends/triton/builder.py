@@ -60,7 +60,7 @@ from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.interpreter import interpreting
-from pagedkv.toolkit.launch import KernelLaunch, programmatic_launch
+from pagedkv.toolkit.launch import MAX_GRID_Y, KernelLaunch, programmatic_launch
 from pagedkv.toolkit.split_kv import SplitChoice, num_sms
 
 
@@ -71,7 +71,8 @@ class PartLaunches:
     first: int
     end: int
     plan: TilePlan  # tiles and splits
-    attention: KernelLaunch  # unified_attention_kernel, grid (query blocks, Hkv, splits)
+    # unified_attention_kernel, grid (query blocks, Hkv, splits) or listed (items x Hkv,)
+    attention: KernelLaunch
     reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, head blocks)
     # the Gluon sm_90 prefill kernel's launch for this part, when it runs it (the impl
     # falls back to ``attention`` for a cache TMA cannot read)
@@ -480,13 +481,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # (unsplit too: without the search the m16-n64 D 128 variant takes 128 registers,
         # 4 programs per SM where the search's took 164, 3; its one spilled predicate is
         # stored in the prologue and read in the epilogue, SPILL_SLACK_BYTES)
-        by_request = by_request and range_list is None
+        # (a by-request grid puts the requests on its second axis, which CUDA caps)
+        by_request = by_request and range_list is None and num_reqs <= MAX_GRID_Y
         if range_list is None:
-            blocks = num_reqs if by_request else query_blocks
-            grid, range_starts = (blocks, s.num_kv_heads, plan.num_splits), unused
+            range_starts = unused
+            if by_request:  # a request's KV heads adjacent (the kernel's note on order)
+                grid = (s.num_kv_heads, num_reqs, plan.num_splits)
+            else:
+                grid = (query_blocks, s.num_kv_heads, plan.num_splits)
         else:
             range_starts, items = range_list
-            grid = (items, s.num_kv_heads, 1)
+            grid = (items * s.num_kv_heads, 1, 1)  # an item's heads adjacent (the kernel's)
         attention = KernelLaunch(
             unified_attention_kernel,
             grid,
@@ -513,6 +518,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 HEAD_PAD=layer.head_pad,
                 BLOCK_SIZE=s.block_size,
                 GROUP=layer.group,
+                NUM_KV_HEADS=s.num_kv_heads,
                 BLOCK_M=t.block_m,
                 BLOCK_Q=plan.block_q,
                 TILE_N=t.tile_n,

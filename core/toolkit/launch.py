@@ -11,6 +11,9 @@ import torch
 from pagedkv.toolkit import dispatch
 from pagedkv.toolkit.dispatch import LaunchArgs
 
+# CUDA's largest grid along its second and third axes (the first takes 2**31 - 1)
+MAX_GRID_Y = 65535
+
 
 @dataclass(frozen=True)
 class KernelLaunch:
