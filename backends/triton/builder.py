@@ -71,7 +71,8 @@ class PartLaunches:
     first: int
     end: int
     plan: TilePlan  # tiles and splits
-    # unified_attention_kernel, grid (query blocks, Hkv, splits) or listed (items x Hkv,)
+    # unified_attention_kernel, grid (query blocks, Hkv, splits), by request (Hkv,
+    # requests, splits) or listed (items x Hkv,)
     attention: KernelLaunch
     reduce: KernelLaunch | None  # reduce_splits_kernel when split, grid (tokens, head blocks)
     # the Gluon sm_90 prefill kernel's launch for this part, when it runs it (the impl
