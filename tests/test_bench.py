@@ -198,3 +198,21 @@ def test_merge_compares_each_config_with_the_reference_of_its_own_run(tmp_path, 
     assert "w2" in capsys.readouterr().out
     assert main(["bench", "--merge", str(tmp_path / "nope.json")]) != 0
     assert "nope.json: not a pagedkv bench --json file" in capsys.readouterr().err
+
+
+def test_graph_context_reserves_graphs_for_longer_contexts_than_the_step(capsys):
+    """--graph-context: each row's CUDA graph is reserved as an engine reserves it, for
+    the model's longest context (replayed on a shorter step); never below the step's own."""
+    from pagedkv.bench.problem import build_problem
+    from pagedkv.bench.runners import _bounds
+
+    workload = select_workloads("tiny", ["tiny-decode"])[0]
+    problem = build_problem(workload, "cpu")
+    own = _bounds(problem)
+    assert own.max_blocks_per_req == -(-max(workload.seq_lens) // problem.spec.block_size)
+    served = _bounds(problem, 4096)
+    assert served.max_blocks_per_req == 4096 // problem.spec.block_size
+    assert (served.max_num_reqs, served.max_num_tokens) == (own.max_num_reqs, own.max_num_tokens)
+    assert _bounds(problem, 1) == own  # shorter than the step: the step's own
+    assert main(["bench", "--device", "cpu", "--graph-context", "0", "--workloads", "tiny-decode"])
+    assert "--graph-context 0: expected a positive token count" in capsys.readouterr().err

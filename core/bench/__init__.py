@@ -90,10 +90,13 @@ def run_bench(
     check: bool = True,
     seed: int = 0,
     profile: int = 0,
+    graph_context: int | None = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> tuple[list[Row], dict[str, Any]]:
     """Time every config (and the baseline) on every workload; (rows, environment).
-    ``profile``: also run this many eager calls under the profiler (``Row.kernels``)."""
+    ``profile``: also run this many eager calls under the profiler (``Row.kernels``).
+    ``graph_context``: reserve each config's CUDA graph for contexts of this many tokens
+    (default: the step's longest), as a serving engine sizes its graphs."""
     device = torch.device(device)
     copy_bw = copy_bandwidth(device)
     env = environment(device, copy_bw, host_floor_us(device))
@@ -110,7 +113,9 @@ def run_bench(
             runs.append((baseline, run_baseline))
         batch: list[Row] = []
         for label, run in runs:
-            row, out = run(label, problem, graph=graph, profile=profile)
+            row, out = run(
+                label, problem, graph=graph, profile=profile, graph_context=graph_context
+            )
             if out is not None and reference is not None:
                 n = reference.shape[0]
                 row.max_abs_diff = float((out[:n].float() - reference.float()).abs().max())

@@ -65,12 +65,16 @@ class Row:
         return self.eager_us - self.graph_us
 
 
-def _bounds(problem: BenchProblem) -> GraphBounds:
+def _bounds(problem: BenchProblem, graph_context: int | None = None) -> GraphBounds:
+    """The CUDA-graph reservation of a row: the step's own requests and tokens, and its
+    longest context or ``graph_context`` tokens if longer (as an engine reserves its
+    graphs for the model's longest context and replays them on shorter steps)."""
     w = problem.workload
+    context = max(max(w.seq_lens), graph_context or 0)
     return GraphBounds(
         max_num_reqs=w.num_reqs,
         max_num_tokens=w.num_tokens,
-        max_blocks_per_req=cdiv(max(w.seq_lens), problem.spec.block_size),
+        max_blocks_per_req=cdiv(context, problem.spec.block_size),
         max_query_len=max(w.query_lens),
     )
 
@@ -91,9 +95,15 @@ def time_eager(row: Row, fn: Callable[[], Any], device: torch.device, profile: i
 
 
 def run_pagedkv(
-    config: str, problem: BenchProblem, *, graph: bool = True, profile: int = 0
+    config: str,
+    problem: BenchProblem,
+    *,
+    graph: bool = True,
+    profile: int = 0,
+    graph_context: int | None = None,
 ) -> tuple[Row, torch.Tensor | None]:
-    """Time one backend config (selected as an engine would, so composite configs work)."""
+    """Time one backend config (selected as an engine would, so composite configs work);
+    its CUDA graph reserved for contexts of up to ``graph_context`` tokens (``_bounds``)."""
     row = Row(problem.workload.name, config)
     spec, device = problem.spec, problem.query.device
     try:
@@ -121,7 +131,7 @@ def run_pagedkv(
         support = backend.capabilities.graph_support
         if graph and device.type == "cuda" and support.allows(max(problem.workload.query_lens)):
             builder = backend.make_builder(spec, device)
-            builder.reserve_cuda_graph(_bounds(problem))
+            builder.reserve_cuda_graph(_bounds(problem, graph_context))
             graph_md = builder.build(problem.common)
             graph_out = torch.empty_like(out)
 
@@ -145,8 +155,15 @@ def run_pagedkv(
 
 
 def run_baseline(
-    name: str, problem: BenchProblem, *, graph: bool = True, profile: int = 0
+    name: str,
+    problem: BenchProblem,
+    *,
+    graph: bool = True,
+    profile: int = 0,
+    graph_context: int | None = None,
 ) -> tuple[Row, torch.Tensor | None]:
+    """Time a raw library (``BASELINES``); its graph captures its own plan of the step
+    (``graph_context`` does not apply: a raw library has no reservation)."""
     row = Row(problem.workload.name, f"raw:{name}")
     device = problem.query.device
     try:

@@ -55,6 +55,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--no-graph", action="store_true", help="Skip the CUDA-graph timings.")
     parser.add_argument("--no-check", action="store_true", help="Skip the torch-backend check.")
     parser.add_argument(
+        "--graph-context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="Reserve each CUDA graph for contexts of up to TOKENS tokens, as an engine "
+        "reserves its graphs for the model's longest context and replays them on shorter "
+        "steps (default: each step's own longest context).",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -129,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         baseline = None
     elif baseline != "flashinfer":
         raise ConfigError(f"--baseline {baseline!r}: expected flashinfer or none")
+    if args.graph_context is not None and args.graph_context < 1:
+        raise ConfigError(f"--graph-context {args.graph_context}: expected a positive token count")
     configs = split_configs(args.backends)
     if not configs:
         raise ConfigError("--backends: expected at least one backend config")
@@ -141,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         check=not args.no_check,
         seed=args.seed,
         profile=args.profile,
+        graph_context=args.graph_context,
     )
     print(
         f"\n{env.get('gpu') or env['device']}: copy bandwidth (read + write, measured now) "
