@@ -660,10 +660,11 @@ def test_forced_splits_option_is_checked():
 # -- CUDA-graph bounds (the mechanics, runnable on a CPU) ------------------------------------
 
 
-def _reserved(bounds: GraphBounds, num_blocks: int, **options):
+def _reserved(bounds: GraphBounds, num_blocks: int, layer: dict | None = None, **options):
     """A builder reserved for ``bounds``, an eager one, the impl and a random cache, for
-    a small fp16 layer (Hq 4, Hkv 2, D 32)."""
-    spec = SPEC.replace(dtype=torch.float16, num_heads=4, num_kv_heads=2, head_size=32)
+    a small fp16 layer (Hq 4, Hkv 2, D 32, or with ``layer``'s changes)."""
+    shape = {**dict(num_heads=4, num_kv_heads=2, head_size=32), **(layer or {})}
+    spec = SPEC.replace(dtype=torch.float16, **shape)
     backend = pagedkv.get_backend("triton", **options)
     builder = backend.make_builder(spec, DEVICE)
     builder.reserve_cuda_graph(bounds)
@@ -737,6 +738,13 @@ def test_keys_per_split_override_runs_fixed_ranges():
     chunk = CommonAttentionMetadata.from_requests([40], [20], [[1, 2, 3]], 16, DEVICE)
     with pytest.raises(ConfigError, match="decode-like steps only"):
         eager_builder.build(chunk, keys_per_split=3 * tile_n)
+    # the reduction merges every range below a row's keys, the kernel skips those
+    # before a window: the rule's own ranges avoid windows, and so must the override
+    windowed = pagedkv.get_backend("triton").make_builder(
+        eager_builder.spec.replace(sliding_window=64), DEVICE
+    )
+    with pytest.raises(ConfigError, match="fixed key ranges with a sliding window"):
+        windowed.build(common, keys_per_split=3 * tile_n)
 
 
 def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
@@ -859,6 +867,52 @@ def test_reserved_decode_steps_choose_their_own_splits():
     # (a lone request's ranges and even shares are the same cut: either may be taken)
     assert ranged[1:] == [False, True], ranged
     assert "keys of at most" in md.describe()
+
+
+@pytest.mark.parametrize("heads", [4, 64])
+def test_each_row_is_merged_in_the_narrowest_tile_that_holds_its_splits(monkeypatch, heads):
+    """The merge of a launch whose rows take fewer splits than its most (a CUDA-graph
+    plan's steps, a ragged step's fixed key ranges) picks per row the narrowest
+    power-of-two tile that holds them, from ``REDUCE_MIN_WIDTH`` (here 2, so that the
+    CPU's small plans meet several widths), with more heads a program: with 64 heads the
+    programs a narrower tile leaves without heads exit. Every width attends as one pass
+    does, with the sink. A launch whose rows all take its splits compiles one width."""
+    from pagedkv.backends.triton import builder as triton_builder
+
+    monkeypatch.setattr(triton_builder, "REDUCE_MIN_WIDTH", 2)
+    bounds = GraphBounds(max_num_reqs=3, max_num_tokens=3, max_blocks_per_req=320, max_query_len=1)
+    layer = dict(num_heads=heads, head_size=32 if heads == 4 else 64)
+    reserved, eager_builder, _, cache = _reserved(bounds, 400, layer)
+    sinks = torch.linspace(-1.0, 2.0, heads, device=DEVICE)
+    impl = pagedkv.get_backend("triton").make_impl(
+        reserved.spec.replace(use_sinks=True), sinks=sinks
+    )
+    gen = torch.Generator().manual_seed(4)
+    widths = set()
+    for seq_lens in ([5000], [2500, 1200, 30], [40, 60, 50], [5000, 40, 300]):
+        blocks, first = [], 1
+        for n in seq_lens:
+            blocks.append(list(range(first, first + -(-n // 16))))
+            first += len(blocks[-1])
+        common = CommonAttentionMetadata.from_requests(
+            seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
+        )
+        md = reserved.build(common)
+        reduce = md.parts[0].reduce
+        assert reduce.kwargs["MIN_WIDTH"] == 2 < reduce.kwargs["SPLIT_PAD"], md.describe()
+        # (64 heads: several programs a token, for the widest tile; a narrower one
+        # leaves some of them without heads)
+        assert (reduce.grid[1] > 1) == (heads == 64), reduce.grid
+        widths.add(md.step_splits)
+        d = reserved.spec.head_size
+        q = torch.randn(3, heads, d, generator=gen).half().to(DEVICE)  # the bounds' rows
+        n = len(seq_lens)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common, num_splits=1))
+        got = impl.forward(q, None, None, cache, md)[:n]
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert len(widths) >= 3 and 1 in widths, widths  # one split up to many
+    forced = eager_builder.build(common, num_splits=3)
+    assert forced.parts[0].reduce.kwargs["MIN_WIDTH"] == 4  # every row merges its 3
 
 
 def test_reserved_mixed_steps_cap_only_a_list_of_work_items():

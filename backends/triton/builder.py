@@ -22,6 +22,8 @@ import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
 from pagedkv.backends.triton.configs import (
+    REDUCE_MIN_WIDTH,
+    REDUCE_TILE_VALUES,
     SPLIT_POLICY,
     FitSource,
     LayerShape,
@@ -564,6 +566,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     HEAD_PAD=layer.head_pad,
                     SPLIT_PAD=split_pad,
                     BLOCK_H=block_h,
+                    # rows merge fewer splits than the most: per step (a CUDA-graph
+                    # plan), per request (fixed key ranges)
+                    MIN_WIDTH=min(split_pad, REDUCE_MIN_WIDTH) if plan.trim_splits else split_pad,
+                    # (one width: the tile of the grid's BLOCK_H heads)
+                    REDUCE_VALUES=(
+                        REDUCE_TILE_VALUES
+                        if plan.trim_splits
+                        else block_h * split_pad * layer.head_pad
+                    ),
                     ORDERED=plan.ordered_reduction,
                     DYNAMIC_SPLITS=plan.dynamic_splits,
                     TRIM_SPLITS=plan.trim_splits,

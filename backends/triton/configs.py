@@ -683,6 +683,12 @@ def plan_tiles(
         tile = choose_tile(layer, block_m, memory_bound, fit)
     block_q = _block_q(layer, tile)
     if forced_keys:
+        if layer.window is not None:
+            # the reduction merges every range below a row's last key, but the kernel
+            # skips those before the window (the rule's own ranges avoid windows too)
+            raise ConfigError(
+                f"keys_per_split={forced_keys}: fixed key ranges with a sliding window"
+            )
         choice = forced_key_ranges(step, tile, forced_keys)
     elif forced_splits:
         choice = SPLIT_POLICY.choose(
@@ -960,6 +966,12 @@ def _block_q(layer: LayerShape, tile: TileConfig) -> int:
 # values one program of the split merge holds at once: enough loads in flight to hide
 # the latency of a merge that is a few hundred bytes per head
 REDUCE_TILE_VALUES = 4096
+# The narrowest tile of a merge whose rows take fewer splits than its most (a CUDA-graph
+# plan's, fixed key ranges'): a row of fewer splits is merged in a tile this wide, of
+# REDUCE_TILE_VALUES values, so that a step of one split still spreads its rows' heads
+# over several programs (H200, twenty-fifth session: a 64 x 1024 step of one split in a
+# graph reserved for 32k took 70.7 us at 4 heads x 8 splits a program, 80.5 at 64 x 1)
+REDUCE_MIN_WIDTH = 8
 
 
 def reduce_tile(split_pad: int, head_pad: int, num_heads: int, ordered: bool) -> tuple[int, int]:
