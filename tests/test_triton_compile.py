@@ -21,6 +21,7 @@ import pytest
 import torch
 from pagedkv import GraphBounds
 from pagedkv.backends.triton.configs import (
+    REDUCE_MIN_WIDTH,
     SPILL_SLACK_BYTES,
     LayerShape,
     StepShape,
@@ -60,6 +61,7 @@ class Variant:
     num_splits: int | None = None
     batch_invariant: bool = False
     bounds: GraphBounds | None = None  # built under this CUDA-graph reservation
+    num_sms: int | None = None  # the builder's SM count (None: the CPU's stand-in)
 
 
 # layer: (scenario, the steps whose plans it compiles). Every head size meets every GQA
@@ -177,6 +179,13 @@ def _variants() -> list[Variant]:
         label = "graph-decode-dynamic-splits" + "".join(f"-{k}" for k in changes)
         scenario = BASE.replace(seq_lens=(4000, 40), **changes)
         out.append(Variant(label, scenario, bounds=decode_bounds))
+    # a graph reserved for 32k keys on the H200's SMs: 64 splits at most, so the merge
+    # compiles every tile width from REDUCE_MIN_WIDTH to 64 (D 128 and 256, with sinks)
+    long_bounds = GraphBounds(max_num_reqs=2, max_num_tokens=2, max_blocks_per_req=2048)
+    for head_size in (128, 256):
+        scenario = BASE.replace(seq_lens=(4000, 40), head_size=head_size, use_sinks=True)
+        label = f"graph-32k-reservation-d{head_size}"
+        out.append(Variant(label, scenario, bounds=long_bounds, num_sms=H200_SMS))
     # a mixed CUDA-graph step: its decodes' launch (dynamic splits, partials from the
     # decodes' first token) and its longer requests' (GQA 4, D 128)
     # (the bounds' tokens: the scenario's, whose query the launches take)
@@ -225,6 +234,8 @@ def _launches(variant: Variant) -> list[KernelLaunch]:
     )
     # compiled for sm_90, where a split launch's reduction is a programmatic dependent
     builder.programmatic = True
+    if variant.num_sms is not None:
+        builder.num_sms = variant.num_sms
     if variant.bounds is not None:
         builder.reserve_cuda_graph(variant.bounds)
     metadata = builder.build(problem.common, tile=variant.tile, num_splits=variant.num_splits)
@@ -321,6 +332,9 @@ def test_the_matrix_covers_the_rule():
         assert part in labels, part
     graph = [v for v in VARIANTS if v.bounds is not None]
     assert graph and all(_launches(v)[0].kwargs["DYNAMIC_SPLITS"] for v in graph)
+    # the merge's every width: a launch of 64 splits at most whose rows may take fewer
+    long = _launches(next(v for v in VARIANTS if v.label == "graph-32k-reservation-d128"))
+    assert long[1].kwargs["SPLIT_PAD"] == 64 and long[1].kwargs["MIN_WIDTH"] == REDUCE_MIN_WIDTH
     split = _launches(next(v for v in VARIANTS if v.label == "split2"))
     assert split[0].kwargs["LAUNCH_DEPENDENTS"]
     assert split[1].kwargs["WAIT_FOR_PRIMARY"] and split[1].kwargs["launch_pdl"]
