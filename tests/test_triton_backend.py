@@ -648,6 +648,21 @@ def test_batch_invariant_plan_depends_on_the_layer_only():
         assert p.num_splits == -(-max(seq_lens) // keys)
 
 
+def test_the_batch_invariant_merge_takes_any_number_of_splits():
+    """The batch-invariant plan cuts a sequence into fixed ranges however long it is,
+    past the 64 splits the default merge's tile widths hold: its ordered merge takes
+    them one by one (33000 keys: 65 ranges of 512)."""
+    scenario = Scenario(
+        "invariant-65-splits", seq_lens=(33000, 40), query_lens=(1, 1), num_heads=4,
+        num_kv_heads=2, head_size=32, dtype=torch.float16,
+    )  # fmt: skip
+    problem = build_problem(scenario, DEVICE)
+    backend = pagedkv.get_backend("triton", batch_invariant=True)
+    metadata = backend.make_builder(problem.spec, DEVICE).build(problem.common)
+    assert metadata.num_splits == 65 and metadata.parts[0].reduce.kwargs["ORDERED"]
+    _check(scenario, batch_invariant=True)
+
+
 def test_forced_splits_option_is_checked():
     with pytest.raises(ConfigError, match="num_splits=65: expected 0"):
         pagedkv.get_backend("triton", num_splits=65)

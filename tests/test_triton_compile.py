@@ -206,6 +206,10 @@ def _variants() -> list[Variant]:
     for changes in ({}, dict(causal=False), dict(use_sinks=True, logits_soft_cap=30.0)):
         label = "ranges" + "".join(f"-{k}" for k in changes)
         out.append(Variant(label, BASE.replace(**ragged, **changes)))
+    # past the 64 splits of the default merge's widths: the ordered merge takes any count
+    out.append(
+        Variant("invariant-65-splits", BASE.replace(seq_lens=(33000, 40)), batch_invariant=True)
+    )
     out.append(
         Variant(
             "invariant-sinks",

@@ -160,7 +160,6 @@ def reduce_splits_kernel(
     CAUSAL: tl.constexpr,
     WAIT_FOR_PRIMARY: tl.constexpr,
 ):
-    tl.static_assert(SPLIT_PAD <= 64)
     # a launch over a part of the step: its tokens start at its first request's
     token = tl.program_id(0) + tl.load(QueryStartLoc)
     if token >= tl.load(QueryStartLoc + num_seqs):
@@ -171,7 +170,8 @@ def reduce_splits_kernel(
         num_splits = tl.load(NumSplits)
         keys_per_split = tl.load(NumSplits + 2)
         part_row = token - tl.load(NumSplits + 3)
-    if not ORDERED:  # noqa: SIM102 (a constexpr test, then a runtime one)
+    if not ORDERED:
+        tl.static_assert(SPLIT_PAD <= 64)  # the widths below (the ordered merge: any count)
         # a program past the heads this row's tile width leaves to the others exits
         # before the request's search and the wait (the grid holds them for the widest
         # tile; trimmed below, a row's tile is narrower and its programs fewer still)
