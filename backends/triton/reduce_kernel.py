@@ -59,7 +59,7 @@ def find_request(QueryStartLoc, token, num_seqs):
 
 @triton.jit
 def _merge_heads(
-    Out, PartAcc, PartMax, PartSum, Sinks, token, part_row, first_head, num_heads,
+    Out, PartAcc, PartMax, PartSum, Sinks, token, part_row, block, num_heads,
     num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -67,9 +67,9 @@ def _merge_heads(
     BLOCK_H: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """Merge and write heads ``[first_head, first_head + BLOCK_H)`` of one token row, all
-    its (at most ``WIDTH``) splits at once."""
-    heads = first_head + tl.arange(0, BLOCK_H)
+    """Merge and write the ``block``-th ``BLOCK_H`` heads of one token row, all their
+    (at most ``WIDTH``) splits at once."""
+    heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
     dims = tl.arange(0, HEAD_PAD)
     splits = tl.arange(0, WIDTH)
@@ -202,7 +202,6 @@ def reduce_splits_kernel(
         # takes more heads at a narrower width, those the grid's axis (sized for the
         # widest) gives the programs past them exit
         width = _tile_width(num_splits, MIN_WIDTH)
-        block = tl.program_id(1)
         for w in tl.static_range(7):  # widths 1 to 64
             # (constexpr tests, then a runtime one; Triton takes no chained comparison)
             if (1 << w) >= MIN_WIDTH and (1 << w) <= SPLIT_PAD:  # noqa: SIM102
@@ -211,10 +210,10 @@ def reduce_splits_kernel(
                     # least one head (no fewer than the grid's BLOCK_H at SPLIT_PAD)
                     _merge_heads(
                         Out, PartAcc, PartMax, PartSum, Sinks, token, part_row,
-                        block * ((REDUCE_VALUES + (HEAD_PAD << w) - 1) // (HEAD_PAD << w)),
-                        num_heads, num_splits, stride_ot, stride_oh, stride_pt, stride_ph,
-                        stride_ps, stride_mt, stride_mh, HEAD_SIZE, HEAD_PAD, 1 << w,
-                        (REDUCE_VALUES + (HEAD_PAD << w) - 1) // (HEAD_PAD << w), USE_SINKS,
+                        tl.program_id(1), num_heads, num_splits, stride_ot, stride_oh,
+                        stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, HEAD_SIZE,
+                        HEAD_PAD, 1 << w, (REDUCE_VALUES + (HEAD_PAD << w) - 1) // (HEAD_PAD << w),
+                        USE_SINKS,
                     )  # fmt: skip
         return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
