@@ -19,6 +19,7 @@ from pagedkv.conformance.problem import build_problem, reference_output
 from pagedkv.graph import GraphBounds
 from pagedkv.toolkit.kv_write import write_kv_by_slot
 from pagedkv.toolkit.split_kv import (
+    RANGE_TIE,
     SliceCapacity,
     SplitKVCombinator,
     SplitPolicy,
@@ -483,6 +484,58 @@ def test_key_ranges_between_powers_of_two():
                     slots,
                     choice,
                 )
+
+
+def test_a_grid_that_leaves_sms_idle_may_split_shorter():
+    """``key_floor``: a grid of fewer unsplit programs than SMs splits down to
+    ``sparse_grid_min_keys_per_split`` keys, one that fills them keeps
+    ``min_keys_per_split``; ``choose_by_makespan`` takes the floor it is given."""
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64, sparse_grid_min_keys_per_split=128)
+    assert policy.key_floor(8, 132) == 128
+    assert policy.key_floor(131, 132) == 128
+    assert policy.key_floor(132, 132) == 512
+    assert policy.key_floor(8, None) == 512  # no SM count: the policy's floor
+    assert SplitPolicy(min_keys_per_split=512).key_floor(8, 132) == 512
+    base = dict(granule=64, overhead_keys=64, copies=8)
+    one = np.asarray([1024.0])  # one request x 8 KV heads: 8 programs
+    assert policy.choose_by_makespan(one, 528, **base).num_splits == 2
+    short = policy.choose_by_makespan(one, 528, min_keys_per_split=128, **base)
+    assert short.num_splits == 8 and short.keys_per_split == 128
+    ranged = policy.choose_by_makespan(
+        np.asarray([4096.0, 256.0]), 528, min_keys_per_split=128, key_ranges=True,
+        listed=True, **base,
+    )  # fmt: skip
+    assert ranged.keys_per_split >= 128
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_key_ranges_of_powers_of_two_tie_to_the_fewest_splits(seed):
+    """Among fixed key ranges of powers of two the longest within ``RANGE_TIE`` of the
+    best estimate wins (the fewest splits, as among even shares); among ranges at
+    multiples of them, the best estimate outright (the longest of equal ones)."""
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+    rng = np.random.default_rng(seed)
+    base = dict(granule=64, overhead_keys=64, copies=8)
+    tied = 0
+    for _ in range(40):
+        n = int(rng.integers(8, 200))
+        keys = np.minimum(65536, rng.lognormal(0, 1.2, n) * 2048).astype(np.int64) + 16
+        slots = int(rng.choice([264, 396, 528]))
+        for multiples in ((1.0,), (1.0, 1.25, 1.5, 1.75)):
+            choice = policy.choose_by_makespan(
+                keys.astype(np.float64), slots, key_ranges=True, listed=True,
+                range_multiples=multiples, **base,
+            )  # fmt: skip
+            if not choice.fixed_ranges:
+                continue
+            ranges = policy.key_range_candidates(float(keys.max()), 64, 64, multiples)
+            estimates = policy.key_range_estimates(keys, slots, ranges, listed=True, **base)
+            tie = RANGE_TIE if multiples == (1.0,) else 0.0  # (equal estimates: the longest)
+            bound = estimates.min() * (1 + tie)
+            within = [r for r, e in zip(ranges, estimates) if e <= bound]
+            assert choice.keys_per_split == max(within), (ranges, estimates)
+            tied += choice.keys_per_split != ranges[int(np.argmin(estimates))]
+    assert tied  # the tie decides some of these batches
 
 
 def test_merging_only_the_cut_programs_lets_a_ragged_batch_cut_its_long_ones():

@@ -374,7 +374,7 @@ def h200_fits(kind: str):
         (256, 1024, 1, 1),
         (4, 32768, 1, 16),  # 512 programs: one wave of the 528 slots
         (1, 32768, 1, 64),  # capped by max_splits
-        (1, 700, 1, 1),  # too short to split
+        (1, 100, 1, 1),  # too short to split: fewer keys than two 128-key splits
         (8, 2048, 2048, 1),  # a full prefill grid does not split
     ],
 )
@@ -428,6 +428,38 @@ def test_small_key_steps_do_not_count_as_saturating():
     narrow = LayerShape.of(SPEC.replace(head_size=16))
     widest = step_bytes(narrow, 128)
     assert widest < MIN_STEP_BYTES and saturates(narrow, 128, 12 * widest)
+
+
+def test_a_step_that_leaves_sms_idle_takes_short_splits():
+    """A step of fewer programs than SMs unsplit splits down to 128 keys (H200,
+    twenty-sixth session: 1 x 1024 in a graph reserved for 32k 15.0 -> 8.3 us at 8
+    splits); one that fills the SMs keeps 512. A CUDA-graph plan is as wide as one
+    request of its longest sequence splits at the floor of the bounds' fullest step:
+    bounds of a full grid keep its narrow width, and their short steps still take short
+    splits within it."""
+    fit = h200_fits("bf16")
+    assert _plan(H200_LAYER, [1024], [1], fit=fit).num_splits == 8  # 8 programs
+    assert _plan(H200_LAYER, [700], [1], fit=fit).num_splits == 6
+    assert _plan(H200_LAYER, [1024] * 16, [1] * 16, fit=fit).num_splits == 4  # 128
+    assert _plan(H200_LAYER, [1024] * 17, [1] * 17, fit=fit).num_splits == 2  # 136
+    assert _plan(H200_LAYER, [512] * 32, [1] * 32, fit=fit).num_splits == 1
+
+    def width(seq_len, requests):
+        bounds = _step([seq_len] * requests, [1] * requests)
+        return plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit).num_splits
+
+    assert width(1024, 1) == width(1024, 16) == 8
+    assert width(1024, 256) == 2 and width(512, 32) == 1
+    bounds = _step([32768] * 64, [1] * 64)
+    graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
+    items = graph_items(H200_LAYER, graph, 64, H200_SMS, fit)
+
+    def in_graph(seq_len, requests):
+        step = _step([seq_len] * requests, [1] * requests)
+        return step_splits(H200_LAYER, step, graph, H200_SMS, fit, True, items)
+
+    assert (in_graph(1024, 1).num_splits, in_graph(1024, 1).keys_per_split) == (8, 128)
+    assert in_graph(1024, 64).num_splits == 1
 
 
 def test_eager_key_ranges_may_fall_between_powers_of_two():

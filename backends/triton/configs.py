@@ -111,8 +111,14 @@ MIN_COMPUTE_TILE_N = 32
 # -- splits ----------------------------------------------------------------------------
 # Split (flash-decoding) decode-like steps (queries of at most 8 tokens), at least 512 keys
 # per split, at most 64 splits (the width the reduction kernel merges at once); how many
-# is the toolkit's makespan rule over the step's programs (``makespan_splits``).
-SPLIT_POLICY = SplitPolicy(max_query_len=8, min_keys_per_split=512, max_splits=64)
+# is the toolkit's makespan rule over the step's programs (``makespan_splits``). A step
+# of fewer programs than SMs unsplit may split down to 128 keys: H200, D 128, graph
+# reserved for 32k (twenty-sixth session, docs/triton.md): 1 x 1024 15.0 -> 8.3 us,
+# 4 x 2048 19.2 -> 14.6, 2 x 8192 30.5 -> 26.6; a step that fills the SMs took finer
+# splits than 512 keys and ran slower (twenty-fifth session: D 256 mixed, D 64 mixed).
+SPLIT_POLICY = SplitPolicy(
+    max_query_len=8, min_keys_per_split=512, max_splits=64, sparse_grid_min_keys_per_split=128
+)
 # A program's fixed cost (query load, first page-table lookups, epilogue), in keys
 # streamed: about one 64-key tile (to measure).
 PROGRAM_OVERHEAD_KEYS = 64
@@ -751,10 +757,17 @@ def graph_split_limit(
 ) -> int:
     """The most splits any decode-like step within CUDA-graph bounds (``bounds``: the
     bounds as a step, ``StepShape.of_bounds``) may choose: those of one request of the
-    longest sequence, as far as the partials of the bounds' every token stay within
-    ``SPLIT_PARTIAL_BYTES``."""
+    longest sequence, at the split floor of the bounds' fullest step, as far as the
+    partials of the bounds' every token stay within ``SPLIT_PARTIAL_BYTES``. A
+    reservation whose fullest step fills the SMs keeps the narrower grid of that step's
+    longer splits: every step replays the grid's width (H200, twenty-sixth session:
+    256 x 1024 in its own graph took 265.0 us at 8 splits wide, 262.9 at 2); its steps of
+    fewer requests still take short splits up to that width."""
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
-    most = makespan_splits(layer, one, tile, block_q, num_sms, fit=fit).num_splits
+    fullest = len(program_keys(layer, bounds, block_q, tile.tile_n)) * layer.num_kv_heads
+    most = makespan_splits(
+        layer, one, tile, block_q, num_sms, fit=fit, floor_programs=fullest
+    ).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
     return min(most, splits_within(SPLIT_PARTIAL_BYTES, split_bytes))
 
@@ -855,6 +868,7 @@ def makespan_splits(
     listing: bool = True,
     max_items: int | None = None,
     range_multiples: tuple[float, ...] = (1.0,),
+    floor_programs: int | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -867,7 +881,9 @@ def makespan_splits(
     keys before the window). ``listing``: a step of one query block per request then
     launches only the ranges that hold keys (``range_list_choice``), at most
     ``max_items`` of them (a CUDA-graph grid's). ``range_multiples``: the key ranges
-    compared, powers of two of the tile times each of these."""
+    compared, powers of two of the tile times each of these. ``floor_programs``: the
+    unsplit programs whose grid decides the fewest keys of a split
+    (``SplitPolicy.key_floor``; default: this step's)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
@@ -892,6 +908,10 @@ def makespan_splits(
         listed=listing and one_block_per_request(step, block_q),
         max_programs=max_items,
         range_multiples=range_multiples,
+        min_keys_per_split=SPLIT_POLICY.key_floor(
+            len(keys) * layer.num_kv_heads if floor_programs is None else floor_programs,
+            num_sms,
+        ),
     )
 
 

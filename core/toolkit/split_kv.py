@@ -66,7 +66,9 @@ class SplitPolicy:
     A batch splits when its longest query has at most ``max_query_len`` tokens (None:
     any) and its grid has fewer than ``split_below_programs_per_sm`` programs per SM;
     it then gets enough splits for ``target_programs_per_sm``, each split keeping at
-    least ``min_keys_per_split`` keys, at most ``max_splits``.
+    least ``min_keys_per_split`` keys, at most ``max_splits``. The makespan rule
+    (``choose_by_makespan``) lets a grid of fewer unsplit programs than the GPU has SMs
+    split down to ``sparse_grid_min_keys_per_split`` keys (None: no lower; ``key_floor``).
     """
 
     max_query_len: int | None = 8
@@ -74,6 +76,19 @@ class SplitPolicy:
     target_programs_per_sm: float = 4.0
     min_keys_per_split: int = 512
     max_splits: int = 64
+    sparse_grid_min_keys_per_split: int | None = None
+
+    def key_floor(self, programs: int, num_sms: int | None) -> int:
+        """The fewest keys a split of a grid of ``programs`` unsplit programs keeps.
+        A grid that leaves SMs idle unsplit is latency-bound: its splits' start-up and
+        merge cost little beside the idle SMs they fill, so they may be short
+        (``sparse_grid_min_keys_per_split``); a grid that fills every SM gains only the
+        last wave's balance from a split, which short ranges' merge traffic outweighs
+        (``min_keys_per_split``)."""
+        sparse = self.sparse_grid_min_keys_per_split
+        if sparse is None or num_sms is None or programs >= num_sms:
+            return self.min_keys_per_split
+        return min(sparse, self.min_keys_per_split)
 
     def choose(
         self,
@@ -121,6 +136,7 @@ class SplitPolicy:
         max_programs: int | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
+        min_keys_per_split: int | None = None,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -145,7 +161,8 @@ class SplitPolicy:
         and a full one does not split. The fewest splits within ``MAKESPAN_TIE`` of the
         best win.
         Candidates keep at least ``min_keys_per_split`` keys per split of the longest
-        program, and at most ``max_splits`` (default: the policy's).
+        program (default: the policy's; ``key_floor`` gives a grid's), and at most
+        ``max_splits`` (default: the policy's).
 
         ``key_ranges``: splits may also be fixed key ranges, the way FlashInfer balances
         a ragged batch: every program takes ``keys_per_split`` keys of its sequence (the
@@ -154,10 +171,11 @@ class SplitPolicy:
         sequences' programs past their keys exit at once (each still costs
         ``overhead_keys``), unless the launch is ``listed``: one program per range that
         holds keys. Ranges are powers of two times ``granule`` times each of
-        ``range_multiples`` (whole steps), of at least ``min_keys_per_split`` keys, at
-        most ``max_splits`` per sequence; the best of them is taken
-        (``SplitChoice.fixed_ranges``) when its estimate beats even shares' by more than
-        ``MAKESPAN_TIE``.
+        ``range_multiples`` (whole steps), of at least ``min_keys_per_split`` keys, at most
+        ``max_splits`` per sequence. The best of them (among powers of two alone,
+        ``range_multiples`` (1.0,): the longest within ``RANGE_TIE`` of the best, the
+        fewest splits as among even shares) is taken (``SplitChoice.fixed_ranges``)
+        when its estimate beats even shares' by more than ``MAKESPAN_TIE``.
 
         ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
         CUDA-graph grid sized once for every step; choices past it are not taken (one
@@ -171,14 +189,15 @@ class SplitPolicy:
         if max_programs is not None:
             even_limit = max(1, min(limit, max_programs // max(1, len(keys))))
         split_slots = split_slots or slots
+        floor = min_keys_per_split or self.min_keys_per_split
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
-        even, even_time = self._even_shares(keys, slots, split_slots, even_limit, *costs)
+        even, even_time = self._even_shares(keys, slots, split_slots, even_limit, floor, *costs)
         if key_ranges and limit > 1:
             range_slots = range_slots or split_slots
             merge = _merge_on(range_slots, merge_keys_per_split, split_slots)
             ranged, ranged_time = self._key_ranges(
-                keys, range_slots, limit, granule, overhead_keys, merge, copies, listed,
-                max_programs, range_multiples, merge_split_only,
+                keys, range_slots, limit, floor, granule, overhead_keys, merge, copies,
+                listed, max_programs, range_multiples, merge_split_only,
             )  # fmt: skip
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
@@ -190,14 +209,16 @@ class SplitPolicy:
         slots: int,
         split_slots: int,
         limit: int,
+        floor: int,
         granule: int,
         overhead_keys: float,
         merge_keys_per_split: float,
         copies: int,
     ) -> tuple[SplitChoice, float]:
-        """``choose_by_makespan``'s even shares and their estimated time (in keys)."""
+        """``choose_by_makespan``'s even shares of at least ``floor`` keys and their
+        estimated time (in keys)."""
         longest = float(keys.max(initial=0.0))
-        limit = max(1, min(limit, int(longest) // self.min_keys_per_split))
+        limit = max(1, min(limit, int(longest) // floor))
         candidates = np.array([s for s in _SPLIT_CANDIDATES if s <= limit] or [1])
         steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
         per_program = (
@@ -220,6 +241,7 @@ class SplitPolicy:
         keys: np.ndarray,
         slots: int,
         limit: int,
+        floor: int,
         granule: int,
         overhead_keys: float,
         merge_keys_per_split: float,
@@ -229,15 +251,15 @@ class SplitPolicy:
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
     ) -> tuple[SplitChoice, float]:
-        """``choose_by_makespan``'s best fixed key range (on a split grid of ``slots``)
-        and its estimated time (in keys); an infinite time when none applies (or none
-        launches within ``max_programs`` programs per copy)."""
+        """``choose_by_makespan``'s fixed key range of at least ``floor`` keys (on a split
+        grid of ``slots``) and its estimated time (in keys); an infinite time when none
+        applies (or none launches within ``max_programs`` programs per copy)."""
         steps = np.ceil(keys / granule)  # [P]
         most = float(steps.max(initial=0.0))
         longest = most * granule
         ranges = [
             k // granule
-            for k in self.key_range_candidates(longest, granule, limit, range_multiples)
+            for k in self.key_range_candidates(longest, granule, limit, range_multiples, floor)
         ]
         if not ranges:
             return SplitChoice(1, int(most * granule)), float("inf")
@@ -247,7 +269,9 @@ class SplitPolicy:
         )  # fmt: skip
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
-        pick = int(np.argmin(estimate))
+        # ranges ascend: the last within the tie is the longest, the fewest splits
+        tie = RANGE_TIE if tuple(range_multiples) == (1.0,) else 0.0
+        pick = int(np.flatnonzero(estimate <= estimate.min() * (1 + tie))[-1])
         return (
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
@@ -259,17 +283,19 @@ class SplitPolicy:
         granule: int,
         limit: int,
         range_multiples: tuple[float, ...] = (1.0,),
+        floor: int | None = None,
     ) -> list[int]:
         """The fixed key ranges (in keys) ``choose_by_makespan`` compares for a longest
         program of ``longest`` keys: powers of two of ``granule`` times each of
-        ``range_multiples``, in whole granules, at least ``min_keys_per_split``, at most
-        ``limit`` of them in the longest program, shorter than it; none unless it holds
-        two minimal ranges (as even shares)."""
+        ``range_multiples``, in whole granules, at least ``floor`` (default
+        ``min_keys_per_split``), at most ``limit`` of them in the longest program,
+        shorter than it; none unless it holds two minimal ranges (as even shares)."""
+        floor = floor or self.min_keys_per_split
         most = float(np.ceil(longest / granule))
-        least = max(cdiv(self.min_keys_per_split, granule), int(np.ceil(most / limit)))
+        least = max(cdiv(floor, granule), int(np.ceil(most / limit)))
         candidates: set[int] = set()  # inner steps per split
         r = prev_power_of_2(least)
-        while r < most and most * granule >= 2 * self.min_keys_per_split:
+        while r < most and most * granule >= 2 * floor:
             steps_each = (r * m for m in range_multiples)
             candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
             r *= 2
@@ -427,6 +453,16 @@ RANGE_TAIL_SHARE = 0.5
 # Estimates within this fraction of the best are a tie, won by fewer splits (each split
 # adds partial results to write and merge, which the estimate only approximates)
 MAKESPAN_TIE = 0.05
+# ... among fixed key ranges of powers of two (a CUDA-graph step's, a two-part step's),
+# where the finer of two neighbours writes twice the partials. Among ranges at multiples
+# of powers of two the best estimate wins outright: its ranking there is what the
+# RANGE_TAIL_SHARE fit measured (the first ranked ran at a mean 1.014x of the fastest).
+# H200, Triton backend, twenty-sixth session (docs/triton.md): at 2% GQA 16 took
+# 1024-key ranges in a graph reserved for 32k, 108.1 us against 117.8 for the 512-key
+# ranges of the best estimate, the D 64 mixed step's decodes 98.7 against 102.6; among
+# multiples the tie lost 1-3% on five eager rows (speculative 32 x 8: 2560-key ranges,
+# 185.0 us against 181.1 for 2048)
+RANGE_TIE = 0.02
 
 
 # -- the split-KV combinator: slices of long decodes as extra requests ---------------------
