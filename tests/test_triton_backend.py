@@ -745,6 +745,38 @@ def test_reserved_builds_keep_one_plan_and_their_buffers():
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("max_query_len", [1, 40])
+def test_a_reservation_is_planned_at_its_first_step(monkeypatch, max_query_len):
+    """A CUDA-graph plan comes from the bounds alone: it is planned at the reservation's
+    first step and kept (pure decodes: ``plan_step``; decodes and chunks: the two
+    ``plan_tiles``), planned again for another override of the rule, and the same as a
+    builder planning it afresh."""
+    from pagedkv.backends.triton import builder as triton_builder
+
+    calls = []
+    for name in ("plan_step", "plan_tiles"):
+        planner = getattr(triton_builder, name)
+        counted = lambda *a, planner=planner, name=name, **k: calls.append(name) or planner(*a, **k)  # noqa: E731
+        monkeypatch.setattr(triton_builder, name, counted)
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=44, max_blocks_per_req=70,
+                         max_query_len=max_query_len)  # fmt: skip
+    builder, *_ = _reserved(bounds, 400)
+    steps = (([1100, 40], [1, 1], [list(range(1, 70)), [70, 71, 72]]),
+             ([300, 7, 9], [1, 1, 1], [list(range(73, 92)), [92], [93]]))  # fmt: skip
+    plans = []
+    for seq_lens, query_lens, blocks in steps:
+        common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
+        plans.append([p.plan for p in builder.build(common).parts])
+    planned = len(calls)
+    assert planned == (1 if max_query_len == 1 else 2), calls
+    assert plans[0] == plans[1]
+    fresh, *_ = _reserved(bounds, 400)
+    assert [p.plan for p in fresh.build(common).parts] == plans[1]
+    if max_query_len == 1:  # another forced split count: another plan
+        builder.build(common, num_splits=2)
+        assert len(calls) == 2 * planned + 1, calls
+
+
 def test_keys_per_split_override_runs_fixed_ranges():
     """``build(..., keys_per_split=K)`` (tuning: benchmarks/triton_sweep.py --key-ranges)
     splits every sequence into fixed K-key ranges, K any whole number of key tiles (here

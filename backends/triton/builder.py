@@ -14,8 +14,9 @@ each step copies into their own persistent buffers (``_graph_parts_metadata``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -64,6 +65,8 @@ from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import MAX_GRID_Y, KernelLaunch, programmatic_launch
 from pagedkv.toolkit.split_kv import SplitChoice, num_sms
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.overlap_parts = options.get("overlap_parts", True) is not False
         # stands in for the tensor arguments a launch never reads
         self._unused = torch.zeros(1, dtype=torch.float32, device=self.device)
+        # CUDA-graph plans, by the bounds' shape (``_graph_plan``)
+        self._graph_plans: dict[tuple, Any] = {}
 
     def build_metadata(
         self,
@@ -216,18 +221,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # the plan's shape-deciding inputs are the bounds only
         requests = StepShape.of(common)
         step = requests if bounds is None else StepShape.of_bounds(common)
-        parts = plan_step(
-            self.layer,
-            step,
-            self.num_sms,
+        options = dict(
             forced_splits=forced,
             forced_keys=keys_per_split or 0,
             batch_invariant=self.batch_invariant,
             tile=tile,
-            bounded=bounds is not None,
-            fit=self.fits,
             listing=self.listing,
         )
+        if bounds is None:
+            parts = plan_step(self.layer, step, self.num_sms, fit=self.fits, **options)
+        else:
+            parts = self._graph_plan(plan_step, step, **options)
         splits = max(p.plan.num_splits for p in parts)
         s, layer, unused = self.spec, self.layer, self._unused
         acc = stat_max = stat_sum = unused
@@ -304,8 +308,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         decode_shape = StepShape(
             np.ones(decode_tokens, np.int64), np.full(decode_tokens, common.max_seq_len, np.int64)
         )
-        decode_plan = plan_tiles(layer, decode_shape, num_sms, bounded=True, fit=fit)
-        longer_plan = plan_tiles(layer, StepShape.of_bounds(common), num_sms, bounded=True, fit=fit)
+        decode_plan = self._graph_plan(plan_tiles, decode_shape)
+        longer_plan = self._graph_plan(plan_tiles, StepShape.of_bounds(common))
         # (a bounded plan splits decode-like steps only: the longer launch writes the output)
         assert not longer_plan.split, longer_plan
         decodes = StagedPart(self.scratch, "decodes", max_reqs, decode_tokens, width)
@@ -370,6 +374,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             ),
         )
         return TritonMetadata(common, layer, launches, chosen)
+
+    def _graph_plan(self, planner: Callable[..., T], shape: StepShape, **options: Hashable) -> T:
+        """``planner``'s CUDA-graph plan (``plan_step``, ``plan_tiles``) of ``shape``, the
+        bounds as a step: the same at every step of a reservation, so planned at its
+        first and kept, by planner, shape and ``options`` (the rule's estimates took a
+        quarter of a decode step's build, CPU)."""
+        key = (planner, shape.query_lens.tobytes(), shape.seq_lens.tobytes(), *options.items())
+        if key not in self._graph_plans:
+            self._graph_plans[key] = planner(
+                self.layer, shape, self.num_sms, bounded=True, fit=self.fits, **options
+            )
+        return self._graph_plans[key]
 
     def _range_list(
         self, name: str, items: np.ndarray, plan: TilePlan, max_items: int | None

@@ -764,9 +764,8 @@ def graph_split_limit(
     256 x 1024 in its own graph took 265.0 us at 8 splits wide, 262.9 at 2); its steps of
     fewer requests still take short splits up to that width."""
     one = StepShape(bounds.query_lens[:1], bounds.seq_lens[:1])
-    fullest = len(program_keys(layer, bounds, block_q, tile.tile_n)) * layer.num_kv_heads
     most = makespan_splits(
-        layer, one, tile, block_q, num_sms, fit=fit, floor_programs=fullest
+        layer, one, tile, block_q, num_sms, fit=fit, floor_step=bounds
     ).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
     return min(most, splits_within(SPLIT_PARTIAL_BYTES, split_bytes))
@@ -868,7 +867,7 @@ def makespan_splits(
     listing: bool = True,
     max_items: int | None = None,
     range_multiples: tuple[float, ...] = (1.0,),
-    floor_programs: int | None = None,
+    floor_step: StepShape | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -881,9 +880,9 @@ def makespan_splits(
     keys before the window). ``listing``: a step of one query block per request then
     launches only the ranges that hold keys (``range_list_choice``), at most
     ``max_items`` of them (a CUDA-graph grid's). ``range_multiples``: the key ranges
-    compared, powers of two of the tile times each of these. ``floor_programs``: the
-    unsplit programs whose grid decides the fewest keys of a split
-    (``SplitPolicy.key_floor``; default: this step's)."""
+    compared, powers of two of the tile times each of these. ``floor_step``: the step
+    whose unsplit grid decides the fewest keys a split keeps (``SplitPolicy.key_floor``;
+    default: this one)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
@@ -895,6 +894,9 @@ def makespan_splits(
     key_ranges = key_ranges and layer.window is None
     keys, split_slots, range_slots, costs = _makespan_inputs(
         layer, step, tile, block_q, num_sms, fit, key_ranges and limit > 1
+    )
+    floor_keys = (
+        keys if floor_step is None else program_keys(layer, floor_step, block_q, tile.tile_n)
     )
     return SPLIT_POLICY.choose_by_makespan(
         keys,
@@ -908,10 +910,7 @@ def makespan_splits(
         listed=listing and one_block_per_request(step, block_q),
         max_programs=max_items,
         range_multiples=range_multiples,
-        min_keys_per_split=SPLIT_POLICY.key_floor(
-            len(keys) * layer.num_kv_heads if floor_programs is None else floor_programs,
-            num_sms,
-        ),
+        min_keys_per_split=SPLIT_POLICY.key_floor(len(floor_keys) * layer.num_kv_heads, num_sms),
     )
 
 
