@@ -49,6 +49,7 @@ from pagedkv.backends.triton.configs import (
     step_splits,
 )
 from pagedkv.backends.triton.parts import decode_and_longer_runs
+from pagedkv.bench.workloads import MATRICES, Layer
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem
 from pagedkv.toolkit.launch import MAX_GRID_Y, KernelFit
@@ -452,7 +453,7 @@ def test_a_step_that_leaves_sms_idle_takes_short_splits():
     assert width(1024, 256) == 2 and width(512, 32) == 1
     bounds = _step([32768] * 64, [1] * 64)
     graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
-    items = graph_items(H200_LAYER, graph, 64, H200_SMS, fit)
+    items = graph_items(H200_LAYER, graph, 64, H200_SMS)
 
     def in_graph(seq_len, requests):
         step = _step([seq_len] * requests, [1] * requests)
@@ -460,6 +461,41 @@ def test_a_step_that_leaves_sms_idle_takes_short_splits():
 
     assert (in_graph(1024, 1).num_splits, in_graph(1024, 1).keys_per_split) == (8, 128)
     assert in_graph(1024, 64).num_splits == 1
+
+
+def test_a_reserved_list_holds_32_programs_an_sm_and_binds_no_ragged_row():
+    """A CUDA-graph plan's list of work items is capped in programs an SM, not in waves
+    of its tile: what a step wants is items, whatever the tile's occupancy. H200, 16
+    requests reserved for 32k: 528 items of 8 KV heads (4,224 programs), of which a
+    16 x 1024 step takes 64 (twenty-seventh session: 31.0 -> 26.2 us from a list of 16
+    waves of the m16-n64 tile). The cap leaves the choice of every decode step of the
+    standard matrix on this layer as it is uncapped, in a reservation for 32k and in one
+    of the step's own bounds."""
+    fit = h200_fits("bf16")
+    bounds = _step([32768] * 16, [1] * 16)
+    graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
+    items = graph_items(H200_LAYER, graph, 16, H200_SMS)
+    assert items * H200_LAYER.num_kv_heads == 32 * H200_SMS
+    step = _step([1024] * 16, [1] * 16)
+    assert step_splits(H200_LAYER, step, graph, H200_SMS, fit, True, items).num_splits == 4
+    rows = [
+        w for w in MATRICES["standard"]
+        if w.layer == Layer() and max(w.query_lens) == 1 and w.kind != "prefill"
+    ]  # fmt: skip
+    assert {w.name for w in rows} >= {
+        "decode-64x4096",
+        "ragged-decode-128",
+        "ragged-decode-32-long",
+    }
+    for w in rows:
+        step = _step(list(w.seq_lens), list(w.query_lens))
+        for seq_len in (32768, max(w.seq_lens)):
+            reserved = _step([max(seq_len, *w.seq_lens)] * w.num_reqs, [1] * w.num_reqs)
+            graph = plan_tiles(H200_LAYER, reserved, H200_SMS, bounded=True, fit=fit)
+            capped = graph_items(H200_LAYER, graph, w.num_reqs, H200_SMS)
+            choice = step_splits(H200_LAYER, step, graph, H200_SMS, fit, True, capped)
+            free = step_splits(H200_LAYER, step, graph, H200_SMS, fit, True, None)
+            assert choice == free, (w.name, seq_len, choice, free)
 
 
 def test_eager_key_ranges_may_fall_between_powers_of_two():
@@ -473,7 +509,7 @@ def test_eager_key_ranges_may_fall_between_powers_of_two():
     assert plan.tile.tile_n == 64 and plan.tiles_per_split == 20, plan
     bounds = _step([32768] * 16, [1] * 16)
     graph = plan_tiles(H200_LAYER, bounds, H200_SMS, bounded=True, fit=fit)
-    items = graph_items(H200_LAYER, graph, 16, H200_SMS, fit)
+    items = graph_items(H200_LAYER, graph, 16, H200_SMS)
     step = step_splits(H200_LAYER, _step(seq_lens, [1] * 16), graph, H200_SMS, fit, True, items)
     tiles = step.keys_per_split // 64
     assert step.fixed_ranges and tiles & (tiles - 1) == 0, step
@@ -827,16 +863,17 @@ def test_keys_per_split_override_runs_fixed_ranges():
 
 
 def test_reserved_decode_grid_is_capped_and_steps_stay_within(monkeypatch):
-    """A decode reservation's list of work items holds at most GRAPH_ITEM_WAVES waves of
-    split programs (each item not used is a program that starts and exits): with a cap
-    below every split of every request, the grid is the cap, each step's split choice
-    keeps within it, and the steps still attend as eager ones do."""
+    """A decode reservation's list of work items holds at most
+    GRAPH_ITEM_PROGRAMS_PER_SM split programs an SM (each item not used is a program that
+    starts and exits): with a cap below every split of every request, the grid is the
+    cap, each step's split choice keeps within it, and the steps still attend as eager
+    ones do."""
     from pagedkv.backends.triton import configs
 
-    monkeypatch.setattr(configs, "GRAPH_ITEM_WAVES", 1)
+    monkeypatch.setattr(configs, "GRAPH_ITEM_PROGRAMS_PER_SM", 4)
     bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=320, max_query_len=1)
     builder, eager_builder, impl, cache = _reserved(bounds, 400)
-    builder.num_sms = 8  # a small GPU: one wave of split programs is 16 items
+    builder.num_sms = 8  # a small GPU: 32 programs, 16 items of 2 KV heads
     gen = torch.Generator().manual_seed(1)
     grids, totals = set(), []
     # uncapped, the first step takes 8 even splits of each request (64 items)
@@ -921,8 +958,8 @@ def test_reserved_decode_steps_choose_their_own_splits():
         # even shares: an item's request is a division (the padding requests come last)
         assert per_request == (0 if choice.fixed_ranges else splits)
         ranged.append(choice.fixed_ranges)
-        # the grid lists every split of every request of the bounds (fewer than
-        # GRAPH_ITEM_WAVES waves here); this step's work items (its ranges that hold
+        # the grid lists every split of every request of the bounds (within
+        # GRAPH_ITEM_PROGRAMS_PER_SM an SM here); this step's work items (its ranges that hold
         # keys, or all its splits) come first
         attention = md.parts[0].attention
         assert attention.kwargs["RANGE_LIST"] and attention.grid == (8 * plan.num_splits * 2, 1, 1)

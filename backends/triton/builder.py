@@ -248,9 +248,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # written where the captured kernels read them: the count, and the tiles and
             # keys of a fixed range (0: even shares); listed, within the captured grid
             if self.listing:
-                max_items = graph_items(
-                    layer, parts[0].plan, common.num_reqs, self.num_sms, self.fits
-                )
+                max_items = graph_items(layer, parts[0].plan, common.num_reqs, self.num_sms)
             chosen = step_splits(
                 layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing,
                 max_items,
@@ -322,7 +320,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         max_items = None  # unsplit: one item per request; unlisted: no list to cap
         if decode_plan.split:
             if self.listing:
-                max_items = graph_items(layer, decode_plan, max_reqs, num_sms, fit)
+                max_items = graph_items(layer, decode_plan, max_reqs, num_sms)
             # the decodes' partials from row 0: NumSplits[3] holds their first token
             shape = (decode_tokens, self.spec.num_heads, decode_plan.num_splits)
             partials = (

@@ -133,14 +133,20 @@ SPLIT_PARTIAL_BYTES = 64 << 20
 # The batch-invariant mode's split: a fixed key range per split, whatever the batch and
 # the GPU (as many programs per request as the default gives one long request).
 BATCH_INVARIANT_KEYS_PER_SPLIT = 512
-# A CUDA-graph plan's list of work items holds at most this many waves of the split
-# launch's programs (or one item per request of the bounds): every step's split choice
-# stays within it. The grid is fixed at capture, so each item a step does not use is a
-# program that starts, finds nothing and exits, holding an SM slot; sized for every split
-# of every request, a ragged batch's graph launched up to 8x the programs it ran
-# (H200: 0.5-1.8% of the graph time on six rows). At 8 waves the cap changed one
-# choice (ragged-decode-128 takes 8.1 waves at 2 programs per SM: +0.6%), hence 16
-GRAPH_ITEM_WAVES = 16
+# A CUDA-graph plan's list of work items holds at most this many split programs an SM
+# (or one item per request of the bounds): every step's split choice stays within it.
+# The grid is fixed at capture, so each item a step does not use is a program that
+# starts, finds nothing and exits, holding an SM slot; sized for every split of every
+# request, a ragged batch's graph launched up to 8x the programs it ran (H200: 0.5-1.8%
+# of the graph time on six rows, tenth session). The cap is in programs, not waves: what
+# a step wants is items (its keys over its ranges), whatever the tile's programs per SM
+# (ragged-decode-128 takes 267 items, 2136 programs, at 2 per SM and at 4). H200:
+# - 16 an SM bound that row's choice at 2 per SM (+0.6%, tenth session) and at 4 (+4%;
+#   GQA 1 ragged +42%, 32 long ragged +7%; twenty-seventh session).
+# - 64 an SM (16 waves at 4 per SM) left 7,700 programs to start and exit after a 16 x
+#   1024 step's 512 in a graph reserved for 32k: 31.0 us, against 26.2 at 32 an SM and
+#   25.0 in its own graph; no other row's plan changed between 64 and 32 (29 rows).
+GRAPH_ITEM_PROGRAMS_PER_SM = 32
 # The fixed key ranges an eager step's rule compares: powers of two of the tile times
 # each of these, so a ragged batch's ranges can fill its waves more closely. H200, 10
 # ragged, speculative and mixed rows, eager, against powers of two alone: faster on 8
@@ -790,14 +796,13 @@ def step_splits(
     )  # fmt: skip
 
 
-def graph_items(
-    layer: LayerShape, plan: TilePlan, max_reqs: int, num_sms: int, fit: FitSource | None = None
-) -> int:
+def graph_items(layer: LayerShape, plan: TilePlan, max_reqs: int, num_sms: int) -> int:
     """Work items of a CUDA-graph plan's listed launch over at most ``max_reqs``
-    requests: every split of every request, at most ``GRAPH_ITEM_WAVES`` waves of split
-    programs (each item is one program per KV head), at least one item per request."""
-    waves = GRAPH_ITEM_WAVES * slots_per_sm(layer, plan.tile, LaunchForm.EVEN_SHARES, fit) * num_sms
-    return min(max_reqs * plan.num_splits, max(max_reqs, cdiv(waves, layer.num_kv_heads)))
+    requests: every split of every request, at most ``GRAPH_ITEM_PROGRAMS_PER_SM`` split
+    programs an SM (each item is one program per KV head), at least one item per
+    request."""
+    programs = GRAPH_ITEM_PROGRAMS_PER_SM * num_sms
+    return min(max_reqs * plan.num_splits, max(max_reqs, cdiv(programs, layer.num_kv_heads)))
 
 
 def one_block_per_request(step: StepShape, block_q: int) -> bool:
