@@ -145,7 +145,7 @@ BATCH_INVARIANT_KEYS_PER_SPLIT = 512
 #   GQA 1 ragged +42%, 32 long ragged +7%; twenty-seventh session).
 # - 64 an SM (16 waves at 4 per SM) left 7,700 programs to start and exit after a 16 x
 #   1024 step's 512 in a graph reserved for 32k: 31.0 us, against 26.2 at 32 an SM and
-#   25.0 in its own graph; no other row's plan changed between 64 and 32 (29 rows).
+#   25.0 in its own graph; no other row's plan changed between 64 and 32 (26 rows).
 GRAPH_ITEM_PROGRAMS_PER_SM = 32
 # The fixed key ranges an eager step's rule compares: powers of two of the tile times
 # each of these, so a ragged batch's ranges can fill its waves more closely. H200, 10
