@@ -415,26 +415,14 @@ def test_registered_and_selected_for_mla_layers():
 
 
 @pytest.mark.parametrize(
-    ("num_tiles", "max_kv_len", "num_sms"),
-    [(128, 4096, 132), (2, 32768, 132), (1, 1, 132), (7, 700, 8), (300, 50, 132), (1, 200, 132)],
+    ("forced", "max_kv_len"), [(3, 4096), (64, 32768), (5, 1), (7, 700), (64, 50), (2, 200)]
 )
-def test_splits_cover_the_longest_tile_without_empty_splits(num_tiles, max_kv_len, num_sms):
-    choice = SPLIT_POLICY.choose(num_tiles, 1, max_kv_len, num_sms, granule=64)
+def test_forced_splits_cover_the_longest_tile_without_empty_splits(forced, max_kv_len):
+    # the num_splits option (the rule's own ranges: choose_ranges, below)
+    choice = SPLIT_POLICY.choose(4, 1, max_kv_len, 132, forced=forced, granule=64)
     splits, per_split = choice.num_splits, choice.keys_per_split
-    assert per_split % 64 == 0
+    assert per_split % 64 == 0 and splits <= forced
     assert splits * per_split >= max_kv_len > (splits - 1) * per_split
-    assert num_tiles * splits <= max(num_tiles, num_sms)
-    assert splits == 1 or per_split >= SPLIT_POLICY.min_keys_per_split
-
-
-def test_decode_64x4096_on_an_h200_is_one_wave_without_splits():
-    # 64 requests x 128 heads / 64-row tiles = 128 programs for 132 SMs
-    choice = SPLIT_POLICY.choose(128, 1, 4096, 132, granule=64)
-    assert (choice.num_splits, choice.keys_per_split) == (1, 4096)
-    # one request of 32k: two tiles, 64 splits of 512 positions (prefill tiles too)
-    for max_query_len in (1, 100):
-        choice = SPLIT_POLICY.choose(2, max_query_len, 32768, 132, granule=64)
-        assert (choice.num_splits, choice.keys_per_split) == (64, 512)
 
 
 def _h200_ranges(seq_lens, heads=128):
@@ -464,13 +452,32 @@ def test_a_ragged_batch_cuts_only_its_long_requests():
     ranges = work.token_ranges[0]
     assert (ranges[:200] == 1).all() and ranges[200] == work.num_splits
     assert work.num_partials == work.num_splits  # one token's slots
+    assert work.merges.tolist() == [200]  # the reduction's list: that token alone
     # every tile's ranges once, the full ranges first (longest first)
     tiles = tile_table(np.ones(len(seq), dtype=np.int64), 128, 64)
-    listed = sorted(zip(*work.items.tolist()))
+    assert (work.items[3] == keys).all()  # each item's range length
+    listed = sorted(zip(*work.items[:3].tolist()))
     expected = sorted((r, row, s) for r, row in zip(*tiles.tolist()) for s in
                       range(-(-seq[r] // keys) if seq[r] > keys else 1))  # fmt: skip
     assert listed == expected
     assert work.items[0, :2].tolist() == [200, 200] and work.items[2, :2].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("entries", "splits", "grid", "shape"),
+    [
+        (1, 64, 1024, (64, 64, 8)),  # 1 x 32k: a token's 128 heads, 8 column blocks
+        (4, 16, 1024, (16, 256, 2)),  # 4 x 32k
+        (61, 7, 2112, (8, 512, 1)),  # ragged 256: whole rows, one grid of 16 an SM
+        (0, 64, 1, (64, 64, 8)),  # nothing to merge: one program, which exits
+    ],
+)
+def test_the_reduction_cuts_columns_only_to_fill_the_gpu(entries, splits, grid, shape):
+    from pagedkv.backends.mla.plan import reduce_shape
+
+    got_grid, got = reduce_shape(entries, 128, 512, splits, 132)
+    assert got_grid == (grid,)
+    assert (got["SPLITS_CHUNK"], got["BLOCK_L"], got["COL_BLOCKS"]) == shape
 
 
 def test_token_slots_follow_each_other_for_a_multi_token_request():
@@ -535,7 +542,8 @@ def test_every_tile_range_is_one_item_and_partial_slots_do_not_overlap(
     work = work_list(tiles, query_lens, seq_lens, keys, tokens)
     ranges = np.maximum(1, -(-seq_lens // keys))
     # each tile's ranges, once each, and nothing else
-    listed = sorted(zip(*work.items.tolist()))
+    assert (work.items[3] == keys).all()  # each item's range length
+    listed = sorted(zip(*work.items[:3].tolist()))
     expected = sorted((r, row, s) for r, row in zip(*tiles.tolist()) for s in range(int(ranges[r])))
     assert listed == expected
     # the longest ranges first
@@ -553,3 +561,5 @@ def test_every_tile_range_is_one_item_and_partial_slots_do_not_overlap(
             used[f : f + n] += 1
     assert (used <= 1).all() and used.sum() == work.num_partials
     assert work.num_splits == int(ranges.max())
+    # the reduction's list: the tokens of cut requests, every one of them
+    assert work.merges.tolist() == np.flatnonzero(count > 1).tolist()

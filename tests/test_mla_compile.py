@@ -218,7 +218,7 @@ def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_dec
         builder.config = dataclasses.replace(choose_config("sm90", 2, 512, 64), use_gluon=use_gluon)
         builder.num_sms, builder.capability = 132, (9, 0)
         metadata = builder.build(common)
-        assert tuple(metadata.items.shape) == (3, 128) and metadata.num_splits == 1
+        assert tuple(metadata.items.shape) == (4, 128) and metadata.num_splits == 1
         (attention,) = impl.plan_attention(
             q[..., :512], q[..., 512:], cache, metadata, q[..., :512].clone()
         )

@@ -44,9 +44,9 @@ def _spec(lora=512, rope=64, heads=128, block_size=64, dtype=torch.bfloat16, cac
 
 def test_applies_to_the_deepseek_shape_on_sm90_in_16_bit():
     for dtype in (torch.bfloat16, torch.float16):
-        assert gluon_problem(_spec(dtype=dtype), SM90, 4096, HOPPER) is None
+        assert gluon_problem(_spec(dtype=dtype), SM90, HOPPER) is None
     for lora, block_size in ((256, 64), (128, 128), (512, 256)):
-        assert gluon_problem(_spec(lora=lora, block_size=block_size), SM90, 64, HOPPER) is None
+        assert gluon_problem(_spec(lora=lora, block_size=block_size), SM90, HOPPER) is None
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_applies_to_the_deepseek_shape_on_sm90_in_16_bit():
     ],
 )
 def test_gluon_problem_names_why_not(spec, capability, reason):
-    why = gluon_problem(spec, SM90, 4096, capability)
+    why = gluon_problem(spec, SM90, capability)
     assert why is not None and reason in why
 
 
@@ -100,7 +100,7 @@ def test_descriptors_cover_the_cache_rows():
 
 def test_head_counts_that_divide_64_or_are_its_multiples_apply():
     for heads in (1, 2, 8, 16, 32, 64, 128, 256):
-        assert gluon_problem(_spec(heads=heads), SM90, 4096, HOPPER) is None
+        assert gluon_problem(_spec(heads=heads), SM90, HOPPER) is None
 
 
 @pytest.mark.parametrize(
@@ -159,8 +159,10 @@ def test_the_builder_plans_the_gluon_kernel_unless_a_triton_tile_is_named():
 def test_tiles_other_than_64_rows_stay_on_the_triton_kernel():
     spec = _spec()
     config = dataclasses.replace(SM90, block_m=32)
-    assert "tiles of 64 rows" in gluon_problem(spec, config, 4096, HOPPER)
-    assert "tiles of 64 rows" in gluon_problem(spec, SM90, 4096 + 32, HOPPER)
+    assert "tiles of 64 rows" in gluon_problem(spec, config, HOPPER)
+    # ranges of whole 32-key steps: not whole 64-row tiles
+    half = dataclasses.replace(SM90, block_n=32)
+    assert "tiles of 64 rows" in gluon_problem(spec, half, HOPPER)
 
 
 def test_the_backend_declares_the_option():

@@ -39,6 +39,12 @@ STEP_B = ((75, 3, 20, 33), (5, 3, 1, 1))  # 10 tokens, a request more
 DECODE_BOUNDS = GraphBounds(max_num_reqs=4, max_num_tokens=4, max_blocks_per_req=5)
 DECODE_A = ((40, 9, 70), (1, 1, 1))
 DECODE_B = ((75, 3, 20, 33), (1, 1, 1, 1))
+# decodes of up to 1280 keys that the rule cuts (4 SMs on a CPU): 2 ranges of 304 keys
+# at capture, 2 of 1024 for the longest request at replay (a CUDA-graph step takes its
+# own ranges)
+LONG_BOUNDS = GraphBounds(max_num_reqs=3, max_num_tokens=3, max_blocks_per_req=80)
+LONG_A = ((600,), (1,))
+LONG_B = ((5, 1270, 40), (1, 1, 1))
 
 
 def _spec(dtype=torch.float32, **changes) -> AttentionSpec:
@@ -113,8 +119,12 @@ def _eager(options, spec, cache, step, query):
 @pytest.mark.parametrize("options", [{}, {"num_splits": 3}, {"use_tma": False}])
 @pytest.mark.parametrize(
     ("bounds", "step_a", "step_b"),
-    [(MIXED_BOUNDS, STEP_A, STEP_B), (DECODE_BOUNDS, DECODE_A, DECODE_B)],
-    ids=["mixed", "decode"],
+    [
+        (MIXED_BOUNDS, STEP_A, STEP_B),
+        (DECODE_BOUNDS, DECODE_A, DECODE_B),
+        (LONG_BOUNDS, LONG_A, LONG_B),
+    ],
+    ids=["mixed", "decode", "long"],
 )
 def test_a_replay_after_building_another_step_equals_eager(
     monkeypatch, options, bounds, step_a, step_b
@@ -143,6 +153,9 @@ def test_a_replay_after_building_another_step_equals_eager(
     fill_query(num_b)
     step = _step(*step_b, num_b, bounds)
     md_b = builder.build(step)
+    if bounds is LONG_BOUNDS and not options:
+        assert (md.kv_per_split, md_b.kv_per_split) == (304, 1024)
+        assert md.num_splits == md_b.num_splits == 2
     # the same launches, argument for argument: what the graph holds stays valid
     planned = impl.plan_attention(query[..., :lora], query[..., lora:], cache, md_b, out)
     assert _described(planned) == _described(graph.recorded)
@@ -307,3 +320,84 @@ def test_capture_build_replay_on_the_gpu(config, kv_cache_dtype):
     torch.testing.assert_close(out[:n], expected, atol=2e-2, rtol=2e-2)
     # the replay wrote step B's latent rows where eager did (a graph slot -1 pads the rest)
     assert torch.equal(cache.view(torch.uint8), eager_cache.view(torch.uint8))
+
+
+def _h200_builder(spec, bounds=None, **options):
+    """A builder planning as on an H200 (its configuration row, SMs and capability)."""
+    backend = MLABackend(**options)
+    builder = MLAMetadataBuilder(
+        spec, "cpu", graph_support=backend.capabilities.graph_support, **backend.options
+    )
+    lora, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    builder.config = choose_config("sm90", 2, lora, rope)
+    builder.capability, builder.num_sms = (9, 0), 132
+    if bounds is not None:
+        builder.reserve_cuda_graph(bounds)
+    return builder
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["mla-ragged-decode-256", "mla-tp8-ragged-decode-64", "mla-decode-1x32k",
+     "mla-decode-4x32k", "mla-decode-64x4096", "mla-mixed-64d+1chunk"],
+)  # fmt: skip
+@pytest.mark.parametrize("reserved_for", ["own", "32k"])
+def test_a_graph_step_takes_the_eager_rules_ranges_on_an_h200(name, reserved_for):
+    """Under a reservation (the step's own bounds, or 32k of context as an engine
+    reserves) each step lists the work items its eager build lists: its own ranges,
+    not the bounds' (the ragged rows' graphs took 389 and 288 µs where their eager
+    calls took 290 and 114, nineteenth session)."""
+    from pagedkv.bench.problem import build_problem
+    from pagedkv.bench.workloads import MATRICES
+
+    workload = next(w for w in MATRICES["mla"] if w.name == name)
+    problem = build_problem(workload, "cpu")
+    common, spec = problem.common, problem.spec
+    longest = 32768 if reserved_for == "32k" else max(workload.seq_lens)
+    bounds = GraphBounds(
+        max_num_reqs=workload.num_reqs,
+        max_num_tokens=workload.num_tokens,
+        max_blocks_per_req=-(-longest // spec.block_size),
+        max_query_len=max(workload.query_lens),
+    )
+    eager = _h200_builder(spec).build(common)
+    graph = _h200_builder(spec, bounds).build(common)
+    assert graph.plan.kind == eager.plan.kind == GLUON
+    assert (graph.kv_per_split, graph.num_splits, graph.num_items) == (
+        eager.kv_per_split, eager.num_splits, eager.num_items
+    )  # fmt: skip
+    n = eager.num_items
+    assert torch.equal(graph.items[:, :n], eager.items)
+    assert torch.equal(graph.token_ranges[:, : common.num_actual_tokens], eager.token_ranges)
+    merged = int(eager.merges[0])
+    assert torch.equal(graph.merges[: 1 + 3 * merged], eager.merges)
+    # the grid beyond the step's items: padding
+    assert (graph.items[3, n:] == 0).all()  # no keys: the programs end at once
+    assert (graph.items[1, n:] >= bounds.max_query_len * spec.num_heads).all()  # no rows
+
+
+def test_a_step_past_the_reservations_partials_takes_longer_ranges(monkeypatch):
+    """A reservation's partials fit in GRAPH_PARTIAL_BYTES: a step whose ranges would
+    write more takes ranges twice as long until they fit."""
+    from pagedkv.backends.mla import work
+
+    spec = AttentionSpec(
+        num_heads=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, block_size=64,
+        scale=192**-0.5, kv_lora_rank=512, qk_rope_head_dim=64,
+    )  # fmt: skip
+    seq_lens = [32768] * 4
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=4, max_blocks_per_req=512)
+    blocks = [list(range(1 + 512 * i, 1 + 512 * (i + 1))) for i in range(4)]
+    common = pagedkv.CommonAttentionMetadata.from_requests(seq_lens, [1] * 4, blocks, 64)
+    eager = _h200_builder(spec).build(common)
+    assert (eager.num_splits, eager.kv_per_split) == (16, 2048)  # 64 slots
+    slot_bytes = 128 * 513 * 4
+    grid = work.graph_grid(8, 32768, 4, slot_bytes, 132)
+    # 64 ranges a request of 32k, the tiles and 2 programs an SM, 64 MiB of partials
+    assert (grid.splits, grid.items, grid.partials, grid.merges) == (64, 8 + 264, 255, 4)
+    assert _h200_builder(spec, bounds).build(common).kv_per_split == 2048  # as eager
+    # room for 40 slots: 16 ranges a request (64 slots) do not fit, 8 (32) do
+    monkeypatch.setattr(work, "GRAPH_PARTIAL_BYTES", 40 * slot_bytes)
+    md = _h200_builder(spec, bounds).build(common)
+    assert (md.num_splits, md.kv_per_split) == (8, 4096)
+    assert md.mid_o.shape[0] == 40 and md.num_items == 4 * 2 * 8

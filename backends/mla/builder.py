@@ -19,8 +19,12 @@ from pagedkv.backends.mla.configs import (
 )
 from pagedkv.backends.mla.plan import StepPlan, max_tiles, plan_step, tile_table
 from pagedkv.backends.mla.work import (
+    GraphGrid,
+    WorkList,
     choose_ranges,
-    max_items,
+    fit_graph,
+    graph_grid,
+    merge_list,
     pad_items,
     tile_keys,
     work_list,
@@ -42,10 +46,16 @@ class MLAMetadata(BackendMetadata):
     """One step, planned for the MLA kernels (shared by every layer of the step)."""
 
     config: KernelConfig
-    items: torch.Tensor  # [3, n] int32, device: request, first row and key range of each program
+    # [4, n] int32, device: request, first row, key range and its request's range keys of
+    # each program
+    items: torch.Tensor
     token_ranges: torch.Tensor  # [2, T] int32, device: each token's ranges, its first partial
-    num_splits: int  # the most key ranges of a request (1: every output written directly)
-    kv_per_split: int  # KV positions per range, a multiple of config.block_n
+    # [1 + 3 * entries] int32, device: how many tokens merge, each one's token, ranges and
+    # first partial slot
+    merges: torch.Tensor
+    num_splits: int  # the step's most key ranges of a request (1: no partials)
+    kv_per_split: int  # the step's KV positions per range, a multiple of config.block_n
+    num_items: int  # the step's work items (a CUDA graph's grid holds more: padding)
     mid_o: torch.Tensor | None  # [partials, H, L] float32 (num_splits > 1)
     mid_lse: torch.Tensor | None  # [partials, H] float32 (num_splits > 1)
     plan: StepPlan  # the attention launches but for each layer's tensors
@@ -57,7 +67,7 @@ class MLAMetadata(BackendMetadata):
         """The step's plan in a line (``pagedkv bench`` reports it)."""
         return (
             f"{self.plan.kind} {self.config}, {self.num_splits} range(s) of "
-            f"{self.kv_per_split} keys, {self.items.shape[1]} programs"
+            f"{self.kv_per_split} keys, {self.num_items} programs"
         )
 
 
@@ -82,7 +92,9 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             # the tile options tune the Triton kernel: naming one asks for that kernel
             overrides["use_gluon"] = False
         self.config = dataclasses.replace(self.config, **overrides)
-        self.num_splits = options.get("num_splits")  # None: SPLIT_POLICY decides
+        self.num_splits = options.get("num_splits")  # None: the rule (choose_ranges) decides
+        # a CUDA-graph reservation's grid, by what it was made from (``_graph_grid``)
+        self._grid: tuple[tuple, GraphGrid] | None = None
 
     def build_metadata(self, common: CommonAttentionMetadata, **overrides: Any) -> MLAMetadata:
         if overrides:
@@ -94,51 +106,45 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
         seq_lens = common.seq_lens_cpu.numpy()
         tiles = tile_table(query_lens, heads, cfg.block_m)
-        if bounds is None:
-            num_tiles, max_seq_len = tiles.shape[1], int(seq_lens.max(initial=0))
-            reduce_rows = common.num_actual_tokens
-        else:
-            # a fixed launch geometry from the bounds alone: the tiles and ranges of the
-            # longest sequence the bounds allow, every token row reduced
-            num_tiles, max_seq_len = max_tiles(bounds, heads, cfg.block_m), common.max_seq_len
-            reduce_rows = common.num_tokens
+        # under a CUDA-graph reservation every token row of the padded step is reduced
+        reduce_rows = common.num_actual_tokens if bounds is None else common.num_tokens
         # partials of every token row for one range: [H, L] values and [H] sums
-        per_split = reduce_rows * heads * (lora + 1) * 4
+        slot_bytes = heads * (lora + 1) * 4
         forced = self.num_splits
         if forced:
-            forced = min(forced, splits_within(MAX_FORCED_PARTIAL_BYTES, per_split))
-        if bounds is None and not forced:
+            forced = min(forced, splits_within(MAX_FORCED_PARTIAL_BYTES, reduce_rows * slot_bytes))
+        grid = None if bounds is None else self._graph_grid(common, reduce_rows, slot_bytes, forced)
+        if forced:
+            split = SPLIT_POLICY.choose(
+                tiles.shape[1], common.max_query_len, int(seq_lens.max(initial=0)),
+                self.num_sms, forced=forced, granule=cfg.block_n,
+            )  # fmt: skip
+        else:
+            # the step's own ranges (a CUDA-graph step's within the reservation's grid)
             causal = spec.causal and common.max_query_len > 1
             keys = tile_keys(tiles, query_lens, seq_lens, heads, cfg.block_m, causal)
             latent_bytes = (lora + spec.qk_rope_head_dim) * spec.cache_dtype.itemsize
-            split = choose_ranges(keys, self.num_sms, cfg.block_n, per_split, latent_bytes)
-        else:
-            split = SPLIT_POLICY.choose(
-                num_tiles, common.max_query_len, max_seq_len, self.num_sms,
-                forced=forced, granule=cfg.block_n,
-            )  # fmt: skip
-        work = work_list(tiles, query_lens, seq_lens, split.keys_per_split, reduce_rows)
-        items, token_ranges = work.items, work.token_ranges
-        num_splits, num_partials = work.num_splits, work.num_partials
-        if bounds is None:
-            # both tables in one host-to-device copy
-            flat = to_device(np.concatenate([items.ravel(), token_ranges.ravel()]), self.device)
-            items, token_ranges = (
-                flat[: items.size].view(items.shape),
-                flat[items.size :].view(token_ranges.shape),
+            split = choose_ranges(
+                keys, self.num_sms, cfg.block_n, reduce_rows * slot_bytes, latent_bytes, grid
             )
+
+        def relist(keys_per_split: int) -> WorkList:
+            return work_list(tiles, query_lens, seq_lens, keys_per_split, reduce_rows)
+
+        work = relist(split.keys_per_split)
+        if grid is None:
+            num_splits, merge_entries = work.num_splits, len(work.merges)
+            items, token_ranges = work.items, work.token_ranges
+            merges = merge_list(work.merges, work.token_ranges, len(work.merges))
+            num_partials = work.num_partials
         else:
-            # every step within the bounds: the grid of the most items, the kernels
-            # compiled for split steps once the bounds may split, partials for every row
-            num_splits = split.num_splits
-            num_partials = reduce_rows * num_splits if num_splits > 1 else 0
-            capacity = max_items(num_tiles, num_splits)
-            padded = pad_items(items, capacity, pad_row=bounds.max_query_len * heads)
-            items = self.scratch("items", (3, capacity), torch.int32)
-            items.copy_(torch.from_numpy(padded), non_blocking=True)
-            ranges = self.scratch("token_ranges", (2, reduce_rows), torch.int32)
-            ranges.copy_(torch.from_numpy(token_ranges), non_blocking=True)
-            token_ranges = ranges
+            work = fit_graph(work, grid, split.keys_per_split, relist)
+            # the grid's sizes: the launches the graph holds serve every step
+            num_splits, merge_entries, num_partials = grid.splits, grid.merges, grid.partials
+            items = pad_items(work.items, grid.items, pad_row=bounds.max_query_len * heads)
+            token_ranges = work.token_ranges
+            merges = merge_list(work.merges, work.token_ranges, grid.merges)
+        items, token_ranges, merges = self._tables(items, token_ranges, merges)
         mid_o = mid_lse = None
         if num_splits > 1:
             mid_o = self.scratch("mid_o", (max(1, num_partials), heads, lora), torch.float32)
@@ -149,11 +155,12 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             common,
             items,
             token_ranges,
+            merges,
             num_splits,
-            split.keys_per_split,
             mid_o,
             mid_lse,
-            reduce_rows=reduce_rows,
+            merge_entries=merge_entries,
+            num_sms=self.num_sms,
             capability=self.capability,
         )
         padding = bounds is None and common.num_actual_tokens < common.num_tokens
@@ -162,10 +169,46 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             config=cfg,
             items=items,
             token_ranges=token_ranges,
-            num_splits=num_splits,
-            kv_per_split=split.keys_per_split,
+            merges=merges,
+            num_splits=work.num_splits,
+            kv_per_split=int(work.items[3, 0]) if work.items.shape[1] else 0,
+            num_items=work.items.shape[1],
             mid_o=mid_o,
             mid_lse=mid_lse,
             plan=plan,
             zero_rows_from=common.num_actual_tokens if padding else None,
+        )
+
+    def _graph_grid(
+        self, common: CommonAttentionMetadata, reduce_rows: int, slot_bytes: int, forced: int
+    ) -> GraphGrid:
+        """The reservation's grid (``work.graph_grid``) from its bounds: the same at every
+        step, so made at its first and kept."""
+        bounds = self.graph_bounds
+        key = (bounds, common.max_seq_len, reduce_rows, forced)
+        if self._grid is None or self._grid[0] != key:
+            num_tiles = max_tiles(bounds, self.spec.num_heads, self.config.block_m)
+            grid = graph_grid(
+                num_tiles, common.max_seq_len, reduce_rows, slot_bytes, self.num_sms, forced
+            )
+            self._grid = (key, grid)
+        return self._grid[1]
+
+    def _tables(
+        self, items: np.ndarray, token_ranges: np.ndarray, merges: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's three tables on the device in one host-to-device copy: a new tensor
+        for an eager step, the reservation's persistent buffer under a CUDA graph (the
+        captured launches read it)."""
+        flat = np.concatenate([items.ravel(), token_ranges.ravel(), merges])
+        if self.graph_bounds is None:
+            tables = to_device(flat, self.device)
+        else:
+            tables = self.scratch("tables", flat.shape, torch.int32)
+            tables.copy_(torch.from_numpy(flat.astype(np.int32)), non_blocking=True)
+        first, second = items.size, items.size + token_ranges.size
+        return (
+            tables[:first].view(items.shape),
+            tables[first:second].view(token_ranges.shape),
+            tables[second:],
         )

@@ -54,22 +54,39 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
 }
 
 # Splits of at least 256 positions, at most 64 (any query length: prefill tiles split
-# too). An eager step takes the makespan rule's ranges (work.choose_ranges); a CUDA-graph
-# reservation, sized from its bounds alone, splits only while the bounds' grid is short
-# of one program per SM, into enough splits for one program per SM.
-SPLIT_POLICY = SplitPolicy(
-    max_query_len=None,
-    split_below_programs_per_sm=1,
-    target_programs_per_sm=1,
-    min_keys_per_split=256,
-    max_splits=64,
-)
+# too). Every step takes the makespan rule's ranges (work.choose_ranges), a step under a
+# CUDA-graph reservation within the reservation's grid (work.graph_grid); ``choose``
+# serves the num_splits option.
+SPLIT_POLICY = SplitPolicy(max_query_len=None, min_keys_per_split=256, max_splits=64)
 
 # What a program costs besides its tiles, in latent rows streamed (the makespan rule's
 # overhead): the Gluon kernel's timeline on the H200 (benchmarks/mla_timeline.py,
 # 256x1024) put a program's start to its first scores at 6.6 us and its epilogue at
-# 2.9 us, against 2.06 us a 64-row tile: about 4.5 tiles
-PROGRAM_OVERHEAD_KEYS = 288
+# 2.9 us, against 2.06 us a 64-row tile: about 4.5 tiles (288 keys). Twice that, 9
+# tiles: timed through CUDA graphs on the H200 (twenty-eighth session), 288 cut the
+# ragged 256 and TP8 ragged 64 rows into 7 and 20 ranges (289.5 and 97.7 us), 576 and
+# 1152 into 4 and 10 (262.8 and 91.4 us), 2304 over-merged (1x32k 34.3 -> 38.8 us,
+# TP8 130.1); the uniform and mixed rows kept their plans at 576 and 1152
+PROGRAM_OVERHEAD_KEYS = 576
+
+# A CUDA-graph reservation's grid holds its bounds' tiles and this many programs an SM
+# more, for the ranges a step cuts its long requests into: the rule's eager choices on
+# the H200 took 128 to 196 more (1x32k, the ragged 256 and TP8 ragged 64 rows of
+# ``pagedkv bench --matrix mla``); an unsplit step's grid ends in that many programs
+# that exit at once (one an SM: the kernels' shared memory)
+GRAPH_SPLIT_PROGRAMS_PER_SM = 2
+
+# ... and its partial results (float32 [H, L] and [H] per token and range) at most this
+# many bytes: 255 slots at 128 heads and L 512 (the ragged 256 row takes 158)
+GRAPH_PARTIAL_BYTES = 64 << 20
+
+# The reduction's grid: at most this many programs an SM (4 warps each: one SM's 64
+# warps), each taking every grid-th unit of (merged token, head, column block) ...
+REDUCE_PROGRAMS_PER_SM = 16
+# ... and its rows cut into column blocks while the units stay within this many an SM:
+# on the H200 (twenty-eighth session) 4x32k's 512 rows took 4.8 / 4.9 / 8.9 / 10.6 us
+# in 1 / 2 / 4 / 8 blocks, 1x32k's 128 rows 13.1 / 6.1 / 6.3 / 5.9 us
+REDUCE_UNITS_PER_SM = 8
 
 # A forced split count (the num_splits option) holds while the step's float32 partial
 # outputs fit in this many bytes; a larger step splits less (a long prefill, not at

@@ -332,6 +332,7 @@ def _mla_attention_sm90(
     TileReq,
     TileRow0,
     TileSplit,
+    TileKeys,
     TokenRanges,
     TokenPartial,
     Out,
@@ -341,7 +342,6 @@ def _mla_attention_sm90(
     stride_o_t,
     stride_o_h,
     qk_scale,  # softmax scale * log2(e)
-    kv_per_split,  # KV positions per range, a multiple of TILE_N
     oob_row,  # a cache row past the last one (TMA reads zeros there)
     NUM_HEADS: gl.constexpr,
     L: gl.constexpr,
@@ -355,9 +355,13 @@ def _mla_attention_sm90(
 ):
     dtype: gl.constexpr = half_desc.dtype
     item = gl.program_id(0)
+    # (the four loads before the test: one memory round trip at the program's start)
     req = gl.load(TileReq + item)
     row0 = gl.load(TileRow0 + item)
     split = gl.load(TileSplit + item)
+    kv_per_split = gl.load(TileKeys + item)  # a multiple of TILE_N
+    if kv_per_split == 0:
+        return  # a CUDA-graph grid's padding item: its program ends at once
     q_start = gl.load(QueryStartLoc + req)
     q_len = gl.load(QueryStartLoc + req + 1) - q_start
     seq_len = gl.load(SeqLens + req)

@@ -12,7 +12,8 @@ is the shared writer, ``pagedkv.toolkit.triton_kv_write``):
   a tile and one key range of its request (split-KV); a request of one range writes
   its output directly, the ranges of a longer one write partial results. A tile with
   no query rows (the padding of a CUDA-graph step) does nothing.
-- ``_mla_reduce``: combines the ranges of each row by their log-sum-exp.
+- ``_mla_reduce``: combines the ranges of each row of the listed tokens (those of
+  requests cut into several ranges) by their log-sum-exp.
 
 All scores live in the log2 domain (``exp2``), the scale folded into one multiply.
 Offsets that can pass 2**31 (cache rows, token rows, partial rows) are int64.
@@ -42,6 +43,7 @@ def _mla_attention(
     TileReq,  # [items] int32: the request of each work item
     TileRow0,  # [items] int32: its tile's first row (token-in-request * H + head)
     TileSplit,  # [items] int32: its key range
+    TileKeys,  # [items] int32: the keys of its request's ranges, a multiple of BLOCK_N
     TokenRanges,  # [T] int32: the ranges of each token's request (1: output written here)
     TokenPartial,  # [T] int32: the token's first partial slot (its ranges' slots follow)
     Out,  # [T, H, L]
@@ -58,7 +60,6 @@ def _mla_attention(
     stride_o_h,
     qk_scale,  # softmax scale * log2(e) (* k_scale for fp8)
     out_scale,  # k_scale for fp8 (V is the stored latent), else 1
-    kv_per_split,  # KV positions per range, a multiple of BLOCK_N
     NUM_HEADS: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -74,9 +75,13 @@ def _mla_attention(
     USE_TMA: tl.constexpr,
 ):
     item = tl.program_id(0)
+    # (the four loads before the test: one memory round trip at the program's start)
     req = tl.load(TileReq + item)
     row0 = tl.load(TileRow0 + item)
     split = tl.load(TileSplit + item)
+    kv_per_split = tl.load(TileKeys + item)
+    if kv_per_split == 0:
+        return  # a CUDA-graph grid's padding item: its program ends at once
     q_start = tl.load(QueryStartLoc + req)
     q_len = tl.load(QueryStartLoc + req + 1) - q_start
     seq_len = tl.load(SeqLens + req)
@@ -213,40 +218,56 @@ def _mla_reduce(
     MidO,  # [partials, H, L] float32
     MidLse,  # [partials, H] float32, log2 domain
     Out,  # [T, H, L]
-    TokenRanges,  # [T] int32: the ranges of each token's request (1: nothing to merge)
-    TokenPartial,  # [T] int32: the token's first partial slot
+    Merges,  # [1 + 3 * entries] int32: how many tokens merge, then (token, ranges, first slot)
     stride_o_t,
     stride_o_h,
     out_scale,
     NUM_HEADS: tl.constexpr,
     L: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # power of two >= the most ranges
-    BLOCK_L: tl.constexpr,  # latent columns per program
+    SPLITS_CHUNK: tl.constexpr,  # ranges merged per loop step (a power of two)
+    BLOCK_L: tl.constexpr,  # latent columns per unit
+    COL_BLOCKS: tl.constexpr,  # cdiv(L, BLOCK_L)
 ):
-    # one program per (row, column chunk), every range at once: the loads of all the
-    # ranges' parts are independent, so a long list costs bandwidth, not latency
-    row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
-    token = row // NUM_HEADS
-    head = row % NUM_HEADS
-    # a request of one range wrote its rows itself (CUDA-graph padding rows: one range)
-    ranges = tl.load(TokenRanges + token)
-    live = ranges > 1
-    slot = tl.load(TokenPartial + token).to(tl.int64) + tl.arange(0, SPLITS_PAD)
-    in_list = live & (tl.arange(0, SPLITS_PAD) < ranges)
-    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    lse = tl.load(MidLse + slot * NUM_HEADS + head, mask=in_list, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # 0 past the list and for ranges that saw no key
-    part = tl.load(
-        MidO + (slot * NUM_HEADS + head)[:, None] * L + offs_l[None, :],
-        mask=in_list[:, None] & (offs_l[None, :] < L),
-        other=0.0,
-    )
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) * (out_scale / tl.where(denom == 0.0, 1.0, denom))
-    tl.store(
-        Out + token * stride_o_t + head * stride_o_h + offs_l,
-        out.to(Out.dtype.element_ty),
-        mask=live & (offs_l < L),
-    )
+    # units of work: (merged token, head, column block). The grid is fixed (a CUDA
+    # graph's holds every step within its bounds) and the count of tokens to merge is on
+    # the device: each program takes every num_programs-th unit, a program past the
+    # step's units none. Only the tokens of cut requests are listed: a request of one
+    # range wrote its rows itself.
+    units = tl.load(Merges) * (NUM_HEADS * COL_BLOCKS)
+    offs_s = tl.arange(0, SPLITS_CHUNK)
+    for unit in range(tl.program_id(0), units, tl.num_programs(0)):
+        row = unit // COL_BLOCKS  # merge entry * NUM_HEADS + head
+        offs_l = (unit % COL_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)
+        entry = Merges + 1 + 3 * (row // NUM_HEADS)
+        token = tl.load(entry).to(tl.int64)
+        ranges = tl.load(entry + 1)
+        first = tl.load(entry + 2).to(tl.int64)
+        head = row % NUM_HEADS
+        # SPLITS_CHUNK ranges a step, their parts weighted by their log2-sum-exp against
+        # the running largest (-inf for a range that saw no key: weight 0); one step for
+        # most tokens, its loads independent: a long list costs bandwidth, not latency
+        top = tl.max(tl.full([SPLITS_CHUNK], float("-inf"), tl.float32), 0)
+        denom = tl.sum(tl.zeros([SPLITS_CHUNK], tl.float32), 0)
+        acc = tl.zeros([BLOCK_L], tl.float32)
+        for s0 in range(0, ranges, SPLITS_CHUNK):
+            in_list = s0 + offs_s < ranges
+            slot = first + s0 + offs_s
+            lse = tl.load(MidLse + slot * NUM_HEADS + head, mask=in_list, other=float("-inf"))
+            part = tl.load(
+                MidO + (slot * NUM_HEADS + head)[:, None] * L + offs_l[None, :],
+                mask=in_list[:, None] & (offs_l[None, :] < L),
+                other=0.0,
+            )
+            new_top = tl.maximum(top, tl.max(lse, 0))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            rescale = tl.exp2(top - base)  # 0 before the first range with a key
+            w = tl.exp2(lse - base)
+            denom = denom * rescale + tl.sum(w, 0)
+            acc = acc * rescale + tl.sum(w[:, None] * part, 0)
+            top = new_top
+        out = acc * (out_scale / tl.where(denom == 0.0, 1.0, denom))
+        tl.store(
+            Out + token * stride_o_t + head * stride_o_h + offs_l,
+            out.to(Out.dtype.element_ty),
+            mask=offs_l < L,
+        )

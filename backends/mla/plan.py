@@ -28,6 +28,8 @@ from pagedkv.backends.mla.configs import (
     GLUON_BLOCK_N,
     GLUON_NUM_WARPS,
     GLUON_WORKER_REGS,
+    REDUCE_PROGRAMS_PER_SM,
+    REDUCE_UNITS_PER_SM,
     KernelConfig,
     gluon_piece_width,
     pad_dim,
@@ -80,7 +82,7 @@ def max_tiles(bounds: GraphBounds, num_heads: int, block_m: int) -> int:
 
 
 def gluon_problem(
-    spec: AttentionSpec, config: KernelConfig, kv_per_split: int, capability: tuple[int, int] | None
+    spec: AttentionSpec, config: KernelConfig, capability: tuple[int, int] | None
 ) -> str | None:
     """None when the Gluon sm_90 kernel can run this layer's steps, else why not (the
     Triton kernel does). The cache's own conditions are ``cache_problem``'s."""
@@ -96,7 +98,8 @@ def gluon_problem(
         return f"kv_lora_rank 128, 256 or 512 and rope 64 only (got {lora}, {rope})"
     if spec.block_size % GLUON_BLOCK_N:
         return f"block_size {spec.block_size} is not a multiple of {GLUON_BLOCK_N}"
-    if config.block_m != GLUON_BLOCK_M or kv_per_split % GLUON_BLOCK_N:
+    # (key ranges are whole config.block_n steps: work.choose_ranges' granule)
+    if config.block_m != GLUON_BLOCK_M or config.block_n % GLUON_BLOCK_N:
         return f"tiles of {GLUON_BLOCK_M} rows and splits of whole {GLUON_BLOCK_N}-row tiles only"
     return query_problem(spec.num_heads)
 
@@ -144,7 +147,7 @@ class StepPlan:
     kernel: Any  # the attention kernel
     grid: tuple[int, int]  # (tiles, splits)
     args: dict[str, Any]  # the attention kernel's arguments that only depend on the step
-    reduce_grid: tuple[int, int] | None  # None: one split (or nothing to reduce)
+    reduce_grid: tuple[int] | None  # None: one split (or nothing to reduce)
     reduce_args: dict[str, Any] | None
     multi_token: bool  # some request has several query tokens (causal limits per row)
     # the same step planned for the pointer-load Triton kernel (for an unusual cache)
@@ -193,24 +196,26 @@ def plan_step(
     common: CommonAttentionMetadata,
     items: torch.Tensor,
     token_ranges: torch.Tensor,
+    merges: torch.Tensor,
     num_splits: int,
-    kv_per_split: int,
     mid_o: torch.Tensor | None,
     mid_lse: torch.Tensor | None,
     *,
-    reduce_rows: int,
+    merge_entries: int,
+    num_sms: int,
     capability: tuple[int, int] | None,
     kind: str | None = None,
 ) -> StepPlan:
-    """The step's plan. items: [3, n] int32 on the device (``work.work_list``: one
+    """The step's plan. items: [4, n] int32 on the device (``work.work_list``: one
     program each); token_ranges: [2, T] int32 on the device (each token's ranges and
-    first partial slot); num_splits: the most ranges of a request (1: the kernels write
-    every output directly); mid_o [partials, H, L] and mid_lse [partials, H] float32
-    when num_splits > 1; reduce_rows: token rows the reduction covers (rows with one
-    range are skipped); capability: the device's (None: no GPU); kind: None chooses.
-    The layer's scales and causality come with each layer (``layer_args``)."""
+    first partial slot); merges: [1 + 3 * merge_entries] int32 on the device
+    (``work.merge_list``: the tokens the reduction merges); num_splits: the most ranges
+    of a request (1: the kernels write every output directly); mid_o [partials, H, L]
+    and mid_lse [partials, H] float32 when num_splits > 1; num_sms: the device's;
+    capability: the device's (None: no GPU); kind: None chooses. The layer's scales and
+    causality come with each layer (``layer_args``)."""
     if kind is None:
-        if gluon_problem(spec, config, kv_per_split, capability) is None:
+        if gluon_problem(spec, config, capability) is None:
             kind = GLUON
         elif config.use_tma and has_tma(capability) and tma_problem(spec, config) is None:
             kind = TMA
@@ -225,12 +230,12 @@ def plan_step(
         TileReq=items[0],
         TileRow0=items[1],
         TileSplit=items[2],
+        TileKeys=items[3],
         TokenRanges=token_ranges[0],
         TokenPartial=token_ranges[1],
         MidO=mid_o,
         MidLse=mid_lse,
         stride_bt=common.block_table.stride(0),
-        kv_per_split=kv_per_split,
         NUM_HEADS=heads,
         L=lora,
         R=rope,
@@ -260,32 +265,47 @@ def plan_step(
             num_stages=config.num_stages,
         )
     reduce_grid = reduce_args = None
-    if not one_split and reduce_rows:
-        splits_pad = next_power_of_2(num_splits)
-        # at most 4096 partial values per program (32 float32 registers a thread)
-        block_l = max(16, min(pad_dim(lora), 4096 // splits_pad))
-        reduce_grid = (reduce_rows * heads, cdiv(lora, block_l))
+    if not one_split and merge_entries:
+        reduce_grid, shape = reduce_shape(merge_entries, heads, lora, num_splits, num_sms)
         reduce_args = dict(
             MidO=mid_o,
             MidLse=mid_lse,
-            TokenRanges=token_ranges[0],
-            TokenPartial=token_ranges[1],
+            Merges=merges,
             NUM_HEADS=heads,
             L=lora,
-            SPLITS_PAD=splits_pad,
-            BLOCK_L=block_l,
+            **shape,
             num_warps=4,
         )
     fallback = None
     if kind != POINTER:
         fallback = functools.partial(
-            plan_step, spec, config, common, items, token_ranges, num_splits, kv_per_split,
-            mid_o, mid_lse, reduce_rows=reduce_rows, capability=capability, kind=POINTER,
+            plan_step, spec, config, common, items, token_ranges, merges, num_splits, mid_o,
+            mid_lse, merge_entries=merge_entries, num_sms=num_sms, capability=capability,
+            kind=POINTER,
         )  # fmt: skip
     multi_token = common.max_query_len > 1
     return StepPlan(
         kind, kernel, (items.shape[1],), args, reduce_grid, reduce_args, multi_token, fallback
     )
+
+
+def reduce_shape(
+    entries: int, heads: int, lora: int, num_splits: int, num_sms: int
+) -> tuple[tuple[int], dict[str, int]]:
+    """The reduction's grid and tile for ``entries`` merged tokens of up to ``num_splits``
+    ranges: units of (token, head, column block), the columns cut while the units stay
+    within ``REDUCE_UNITS_PER_SM`` an SM (a few tokens: every SM busy), down to 64
+    columns; at most 4096 partial values a loop step (32 float32 registers a thread);
+    at most ``REDUCE_PROGRAMS_PER_SM`` programs an SM."""
+    most = REDUCE_PROGRAMS_PER_SM * num_sms
+    l_pad, units, cols = pad_dim(lora), entries * heads, 1
+    while cols * 2 <= l_pad // 64 and units * cols * 2 <= REDUCE_UNITS_PER_SM * num_sms:
+        cols *= 2
+    block_l = l_pad // cols
+    col_blocks = cdiv(lora, block_l)
+    chunk = max(1, min(next_power_of_2(num_splits), 4096 // block_l))
+    grid = (max(1, min(units * col_blocks, most)),)
+    return grid, dict(SPLITS_CHUNK=chunk, BLOCK_L=block_l, COL_BLOCKS=col_blocks)
 
 
 # -- a layer's arguments ------------------------------------------------------------------

@@ -17,7 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from pagedkv.backends.mla.configs import PROGRAM_OVERHEAD_KEYS, SPLIT_POLICY
+from pagedkv.backends.mla.configs import (
+    GRAPH_PARTIAL_BYTES,
+    GRAPH_SPLIT_PROGRAMS_PER_SM,
+    PROGRAM_OVERHEAD_KEYS,
+    SPLIT_POLICY,
+)
 from pagedkv.toolkit import split_kv
 from pagedkv.toolkit.split_kv import SplitChoice
 
@@ -26,12 +31,16 @@ from pagedkv.toolkit.split_kv import SplitChoice
 class WorkList:
     """The programs of a step and its tokens' partial slots (host arrays)."""
 
-    items: np.ndarray  # [3, n] int32: request, first row (tile_table's) and key range
+    # [4, n] int32: request, first row (tile_table's), key range and the keys of its
+    # request's ranges (one count for the step: the kernels read it per item, so a CUDA
+    # graph's captured launches take each step's own ranges)
+    items: np.ndarray
     # [2, T] int32: each token's ranges (1: its output is written directly) and the first
     # of its partial slots (its request's slots, token after token, range after range)
     token_ranges: np.ndarray
     num_partials: int  # partial slots the step writes
     num_splits: int  # the most ranges of a request (1: no partials at all)
+    merges: np.ndarray  # [M] int32: the tokens of cut requests (the reduction's list)
 
 
 def request_ranges(seq_lens: np.ndarray, keys_per_split: int) -> np.ndarray:
@@ -59,7 +68,8 @@ def work_list(
     split = np.arange(len(tile_of)) - np.repeat(first, per_tile)
     keys = np.minimum(keys_per_split, seq_lens[tiles[0, tile_of]] - split * keys_per_split)
     order = np.lexsort((tile_of, split, -keys))  # longest, then range, then tile
-    items = np.stack([tiles[0, tile_of], tiles[1, tile_of], split])[:, order]
+    keys_each = np.full(len(tile_of), keys_per_split)
+    items = np.stack([tiles[0, tile_of], tiles[1, tile_of], split, keys_each])[:, order]
     # (C order: the kernels read each row with a unit stride)
     items = np.ascontiguousarray(items, dtype=np.int32)
 
@@ -68,8 +78,13 @@ def work_list(
     token_ranges[0, :live] = np.repeat(ranges, query_lens)
     slots = np.where(token_ranges[0] > 1, token_ranges[0], 0)
     token_ranges[1] = np.cumsum(slots) - slots
+    merges = np.flatnonzero(token_ranges[0] > 1).astype(np.int32)
     return WorkList(
-        items, token_ranges.astype(np.int32), int(slots.sum()), int(ranges.max(initial=1))
+        items,
+        token_ranges.astype(np.int32),
+        int(slots.sum()),
+        int(ranges.max(initial=1)),
+        merges,
     )
 
 
@@ -79,13 +94,15 @@ def choose_ranges(
     granule: int,
     partial_bytes_per_split: int,
     latent_bytes: int,
+    grid: GraphGrid | None = None,
 ) -> SplitChoice:
     """An eager step's key ranges by the toolkit's makespan rule: even shares of every
     tile or fixed ranges (cutting only the long requests: a ragged batch), one program
     per SM (the kernels' shared memory), each program paying ``PROGRAM_OVERHEAD_KEYS``;
     only cut requests are merged. ``tile_keys``: each tile's keys (a causal tile's
     horizon); ``partial_bytes_per_split``: every token row's partial results for one
-    range; ``latent_bytes``: one cached latent row."""
+    range; ``latent_bytes``: one cached latent row; ``grid``: a CUDA-graph reservation's
+    (no choice past its items or its ranges a request)."""
     # the reduction writes and reads a range's partials once, in the time the SMs'
     # programs stream that many bytes of latent rows (the toolkit's merge_keys_per_split
     # for a key of K and V)
@@ -93,6 +110,8 @@ def choose_ranges(
     return SPLIT_POLICY.choose_by_makespan(
         tile_keys, num_sms, granule=granule, overhead_keys=PROGRAM_OVERHEAD_KEYS,
         merge_keys_per_split=merge, key_ranges=True, listed=True, merge_split_only=True,
+        max_programs=None if grid is None else grid.items,
+        max_splits=None if grid is None else grid.splits,
     )  # fmt: skip
 
 
@@ -107,20 +126,88 @@ def tile_keys(tiles: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, n
     return split_kv.tile_keys(seq_lens[req], q, first, end, causal=causal)
 
 
-def max_items(num_tiles: int, num_splits: int) -> int:
-    """The most work items a step of ``num_tiles`` tiles cut into at most ``num_splits``
-    ranges lists (a CUDA-graph grid)."""
-    return num_tiles * num_splits
+@dataclass(frozen=True)
+class GraphGrid:
+    """A CUDA-graph reservation's launch sizes, from its bounds alone: every step within
+    them lists its own work items (its own ranges, ``choose_ranges``) inside these."""
+
+    items: int  # the attention grid: work items, padded
+    splits: int  # the most ranges a request takes (1: no partials, no reduction)
+    partials: int  # partial slots
+    merges: int  # tokens the reduction merges (each has at least two slots)
+
+
+def graph_grid(
+    num_tiles: int,
+    max_seq_len: int,
+    reduce_rows: int,
+    slot_bytes: int,
+    num_sms: int,
+    forced: int | None = None,
+) -> GraphGrid:
+    """The sizes of a reservation whose steps have at most ``num_tiles`` tiles, sequences
+    of at most ``max_seq_len`` keys and ``reduce_rows`` token rows; ``slot_bytes``: a
+    token's partial results for one range; ``forced``: the ``num_splits`` option (every
+    request up to that many ranges: all of them may be listed).
+
+    The rule's ranges keep at least ``min_keys_per_split`` keys; the grid holds the
+    tiles plus ``GRAPH_SPLIT_PROGRAMS_PER_SM`` programs an SM for the ranges a step cuts
+    (the extra items a ragged batch's long requests take); its partials fit in
+    ``GRAPH_PARTIAL_BYTES``. A step whose choice exceeds them takes longer ranges
+    (``fit_graph``)."""
+    if forced:
+        splits = forced
+        items = num_tiles * splits
+        partials = reduce_rows * splits
+    else:
+        floor = SPLIT_POLICY.min_keys_per_split
+        splits = max(1, min(SPLIT_POLICY.max_splits, -(-max_seq_len // floor)))
+        items = min(num_tiles * splits, num_tiles + GRAPH_SPLIT_PROGRAMS_PER_SM * num_sms)
+        partials = min(reduce_rows * splits, GRAPH_PARTIAL_BYTES // slot_bytes)
+    if splits == 1 or partials < 2:
+        return GraphGrid(num_tiles, 1, 0, 0)
+    return GraphGrid(items, splits, partials, min(reduce_rows, partials // 2))
+
+
+def fit_graph(work: WorkList, grid: GraphGrid, keys_per_split: int, relist) -> WorkList:
+    """``work``, or, past the grid's items, ranges or partials, the list of ranges twice as
+    long (``relist(keys_per_split)``), until it fits: one range a request at the latest
+    (the tiles, within the grid by its bounds)."""
+    while (
+        work.items.shape[1] > grid.items
+        or work.num_splits > grid.splits
+        or work.num_partials > grid.partials
+    ):
+        if work.num_splits == 1:
+            raise RuntimeError(
+                f"the step lists {work.items.shape[1]} work items, more than the "
+                f"CUDA-graph grid's {grid.items}"
+            )
+        keys_per_split *= 2
+        work = relist(keys_per_split)
+    return work
 
 
 def pad_items(items: np.ndarray, capacity: int, pad_row: int) -> np.ndarray:
-    """``items`` followed by padding items up to ``capacity``: request 0 from row
-    ``pad_row``, past any request's rows, so the kernels skip them."""
+    """``items`` followed by padding items up to ``capacity``: no keys (the kernels'
+    programs end at their first test), and request 0 from row ``pad_row``, past any
+    request's rows (were a program to go on, it would find no row)."""
     if items.shape[1] > capacity:
         raise RuntimeError(
             f"the step lists {items.shape[1]} work items, more than the CUDA-graph bound {capacity}"
         )
-    padded = np.zeros((3, capacity), dtype=np.int32)
+    padded = np.zeros((items.shape[0], capacity), dtype=np.int32)
     padded[:, : items.shape[1]] = items
     padded[1, items.shape[1] :] = pad_row
     return padded
+
+
+def merge_list(merges: np.ndarray, token_ranges: np.ndarray, capacity: int) -> np.ndarray:
+    """The reduction's ``Merges``: the count, then each merged token's (token, ranges,
+    first slot) from ``token_ranges`` (one load a unit), then room up to ``capacity``."""
+    listed = np.zeros(1 + 3 * capacity, dtype=np.int32)
+    listed[0] = len(merges)
+    entries = listed[1 : 1 + 3 * len(merges)].reshape(-1, 3)
+    entries[:, 0] = merges
+    entries[:, 1:] = token_ranges[:, merges].T
+    return listed
