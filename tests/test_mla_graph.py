@@ -401,3 +401,68 @@ def test_a_step_past_the_reservations_partials_takes_longer_ranges(monkeypatch):
     md = _h200_builder(spec, bounds).build(common)
     assert (md.num_splits, md.kv_per_split) == (8, 4096)
     assert md.mid_o.shape[0] == 40 and md.num_items == 4 * 2 * 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_reqs=st.integers(1, 12),
+    max_query_len=st.integers(1, 8),
+    heads=st.sampled_from([16, 128]),
+    budget_slots=st.sampled_from([None, 5, 20]),  # None: GRAPH_PARTIAL_BYTES
+    data=st.data(),
+)
+def test_every_step_within_the_bounds_fits_the_reservations_grid(
+    max_reqs, max_query_len, heads, budget_slots, data
+):
+    """Any step within a reservation (planned as on an H200, up to 32k keys a request)
+    lists its work inside the captured grid: items, ranges, partial slots and merged
+    tokens, each token's slots inside the partials (small partial budgets included)."""
+    from unittest import mock
+
+    from pagedkv.backends.mla import work
+
+    budget = work.GRAPH_PARTIAL_BYTES
+    if budget_slots is not None:
+        budget = budget_slots * heads * 513 * 4
+    with mock.patch.object(work, "GRAPH_PARTIAL_BYTES", budget):
+        _steps_within_a_reservation(max_reqs, max_query_len, heads, data)
+
+
+def _steps_within_a_reservation(max_reqs, max_query_len, heads, data):
+    spec = AttentionSpec(
+        num_heads=heads, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, block_size=64,
+        scale=192**-0.5, kv_lora_rank=512, qk_rope_head_dim=64,
+    )  # fmt: skip
+    max_tokens = data.draw(st.integers(max(max_reqs, max_query_len), max_reqs * max_query_len))
+    bounds = GraphBounds(
+        max_num_reqs=max_reqs, max_num_tokens=max_tokens, max_blocks_per_req=512,
+        max_query_len=max_query_len,
+    )  # fmt: skip
+    builder = _h200_builder(spec, bounds)
+    for _ in range(3):  # several steps into one reservation
+        query_lens = data.draw(
+            st.lists(st.integers(1, max_query_len), min_size=1, max_size=max_reqs)
+        )
+        while sum(query_lens) > max_tokens:  # the step's tokens within the bounds
+            query_lens.pop()
+        num_reqs = len(query_lens)
+        contexts = data.draw(
+            st.lists(st.integers(0, 32768 - max_query_len), min_size=num_reqs, max_size=num_reqs)
+        )
+        seq_lens = [c + q for c, q in zip(contexts, query_lens, strict=True)]
+        blocks = [list(range(1 + 512 * i, 1 + 512 * (i + 1))) for i in range(num_reqs)]
+        common = pagedkv.CommonAttentionMetadata.from_requests(
+            seq_lens, query_lens, blocks, 64, num_tokens=max_tokens
+        )
+        md = builder.build(common)
+        grid = builder._grid[1]
+        assert md.items.shape[1] == grid.items and md.num_items <= grid.items
+        assert md.num_splits <= grid.splits
+        count = md.token_ranges[0, : sum(query_lens)]
+        merged = int(md.merges[0])
+        assert merged <= grid.merges
+        entries = md.merges[1 : 1 + 3 * merged].view(-1, 3)
+        assert (entries[:, 1] > 1).all() and merged == int((count > 1).sum())
+        if merged:
+            assert int((entries[:, 2] + entries[:, 1]).max()) <= md.mid_o.shape[0]
+            assert md.mid_o.shape[0] == grid.partials

@@ -14,6 +14,7 @@ past its last query see no key and leave a partial of weight 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,7 +170,9 @@ def graph_grid(
     return GraphGrid(items, splits, partials, min(reduce_rows, partials // 2))
 
 
-def fit_graph(work: WorkList, grid: GraphGrid, keys_per_split: int, relist) -> WorkList:
+def fit_graph(
+    work: WorkList, grid: GraphGrid, keys_per_split: int, relist: Callable[[int], WorkList]
+) -> WorkList:
     """``work``, or, past the grid's items, ranges or partials, the list of ranges twice as
     long (``relist(keys_per_split)``), until it fits: one range a request at the latest
     (the tiles, within the grid by its bounds)."""
