@@ -191,12 +191,7 @@ def test_the_sm90_plan_is_the_same_for_every_step_within_the_bounds(num_splits):
                  head_size=192, block_size=64)  # fmt: skip
     bounds = GraphBounds(max_num_reqs=3, max_num_tokens=6, max_blocks_per_req=40, max_query_len=3)
     backend = MLABackend(num_splits=num_splits)
-    builder = MLAMetadataBuilder(
-        spec, "cpu", graph_support=backend.capabilities.graph_support, **backend.options
-    )
-    builder.capability, builder.num_sms = (9, 0), 132
-    builder.config = choose_config("sm90", 2, 128, 64)
-    builder.reserve_cuda_graph(bounds)
+    builder = _h200_builder(spec, bounds, num_splits=num_splits)
     impl = backend.make_impl(spec)
     cache = backend.allocate_kv_cache(1 + 3 * 40, spec, "cpu")
     query = torch.zeros(6, 16, 192, dtype=torch.float16)

@@ -133,18 +133,17 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
 
         work = relist(split.keys_per_split)
         if grid is None:
-            num_splits, merge_entries = work.num_splits, len(work.merges)
-            items, token_ranges = work.items, work.token_ranges
-            merges = merge_list(work.merges, work.token_ranges, len(work.merges))
-            num_partials = work.num_partials
+            items = work.items
+            num_splits, merge_entries, num_partials = (
+                work.num_splits, len(work.merges), work.num_partials
+            )  # fmt: skip
         else:
-            work = fit_graph(work, grid, split.keys_per_split, relist)
+            work = fit_graph(work, grid, relist)
             # the grid's sizes: the launches the graph holds serve every step
-            num_splits, merge_entries, num_partials = grid.splits, grid.merges, grid.partials
             items = pad_items(work.items, grid.items, pad_row=bounds.max_query_len * heads)
-            token_ranges = work.token_ranges
-            merges = merge_list(work.merges, work.token_ranges, grid.merges)
-        items, token_ranges, merges = self._tables(items, token_ranges, merges)
+            num_splits, merge_entries, num_partials = grid.splits, grid.merges, grid.partials
+        merges = merge_list(work.merges, work.token_ranges, merge_entries)
+        items, token_ranges, merges = self._tables(items, work.token_ranges, merges)
         mid_o = mid_lse = None
         if num_splits > 1:
             mid_o = self.scratch("mid_o", (max(1, num_partials), heads, lora), torch.float32)
@@ -171,7 +170,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             token_ranges=token_ranges,
             merges=merges,
             num_splits=work.num_splits,
-            kv_per_split=int(work.items[3, 0]) if work.items.shape[1] else 0,
+            kv_per_split=work.keys_per_split,
             num_items=work.items.shape[1],
             mid_o=mid_o,
             mid_lse=mid_lse,

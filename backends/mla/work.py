@@ -42,6 +42,7 @@ class WorkList:
     num_partials: int  # partial slots the step writes
     num_splits: int  # the most ranges of a request (1: no partials at all)
     merges: np.ndarray  # [M] int32: the tokens of cut requests (the reduction's list)
+    keys_per_split: int  # the keys of a range (every item's row 3)
 
 
 def request_ranges(seq_lens: np.ndarray, keys_per_split: int) -> np.ndarray:
@@ -86,6 +87,7 @@ def work_list(
         int(slots.sum()),
         int(ranges.max(initial=1)),
         merges,
+        keys_per_split,
     )
 
 
@@ -170,9 +172,7 @@ def graph_grid(
     return GraphGrid(items, splits, partials, min(reduce_rows, partials // 2))
 
 
-def fit_graph(
-    work: WorkList, grid: GraphGrid, keys_per_split: int, relist: Callable[[int], WorkList]
-) -> WorkList:
+def fit_graph(work: WorkList, grid: GraphGrid, relist: Callable[[int], WorkList]) -> WorkList:
     """``work``, or, past the grid's items, ranges or partials, the list of ranges twice as
     long (``relist(keys_per_split)``), until it fits: one range a request at the latest
     (the tiles, within the grid by its bounds)."""
@@ -186,8 +186,7 @@ def fit_graph(
                 f"the step lists {work.items.shape[1]} work items, more than the "
                 f"CUDA-graph grid's {grid.items}"
             )
-        keys_per_split *= 2
-        work = relist(keys_per_split)
+        work = relist(2 * work.keys_per_split)
     return work
 
 
