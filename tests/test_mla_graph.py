@@ -83,14 +83,14 @@ class Recorder:
         self._monkeypatch = monkeypatch
 
     def capture(self, fn):
-        import pagedkv.backends.mla.impl as impl_module
+        from pagedkv.backends.mla.plan import StepPlan
 
-        def record(launches):
+        def record(plan, *args):
             assert self.recorded is None, "one forward per capture"
-            self.recorded = list(launches)
-            return run_launches(self.recorded)
+            self.recorded = plan.launches(*args)  # what ``run`` launches, argument for argument
+            run_launches(self.recorded)
 
-        self._monkeypatch.setattr(impl_module, "run_launches", record)
+        self._monkeypatch.setattr(StepPlan, "run", record)
         fn()
         self._monkeypatch.undo()
 

@@ -165,30 +165,24 @@ def test_specialization_is_never_coarser_than_tritons():
     assert specialization(t) != specialization(t.half()) != specialization(t[1:])
 
 
-@pytest.mark.skipif(
-    not interpreting(),
-    reason="plans a CPU step, which needs Triton's interpreter (a GPU host runs "
-    "test_triton_gpu's direct launches instead)",
-)
-def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
-    """The triton backend's real launches (a mixed step: split decodes and a chunk, each
-    an attention and a reduction): the second forward's direct launches pass, in the
-    kernels' parameter order, exactly what the first forward gave Triton's dispatch
-    (tensors as their addresses, defaults where nothing was given). Triton's interpreter
-    has no compiled variants, so the kernels' parameters are read from their source."""
-    import pagedkv
-    from pagedkv import AttentionSpec, CommonAttentionMetadata
+def _source_params(kernel):
+    """A kernel's parameters read from its source (Triton's interpreter has no compiled
+    variants to read them from)."""
+    signature = inspect.signature(kernel.fn)
+    names = tuple(signature.parameters)
+    return dispatch._Params(
+        names,
+        {n: i for i, n in enumerate(names)},
+        frozenset(n for n, p in signature.parameters.items() if "constexpr" in str(p.annotation)),
+        tuple(None if p.default is p.empty else p.default for p in signature.parameters.values()),
+    )  # fmt: skip
 
-    def source_params(kernel):
-        signature = inspect.signature(kernel.fn)
-        names = tuple(signature.parameters)
-        return dispatch._Params(
-            names,
-            {n: i for i, n in enumerate(names)},
-            frozenset(n for n, p in signature.parameters.items() if "constexpr" in str(p.annotation)),
-            tuple(None if p.default is p.empty else p.default for p in signature.parameters.values()),
-        )  # fmt: skip
 
+def _two_forwards(monkeypatch, forward, launches: int) -> None:
+    """``forward(output)`` twice: the first forward's ``launches`` launches go through
+    Triton's dispatch (recorded), the second's go direct; each direct launch must pass,
+    in the kernel's parameter order, exactly what the first gave the dispatch (tensors
+    as their addresses, defaults where nothing was given), but for its own output."""
     dispatched, variants = [], {}
 
     def dispatch_once(kernel, grid, shared, call, stream=None):
@@ -196,8 +190,40 @@ def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
         dispatched.append((kernel, kwargs))
         return variants.setdefault(len(dispatched), _Compiled())
 
-    monkeypatch.setattr(dispatch, "_params", source_params)
+    monkeypatch.setattr(dispatch, "_params", _source_params)
     monkeypatch.setattr(dispatch, "_dispatch", dispatch_once)
+    forward()
+    assert len(dispatched) == launches  # every launch's first call: Triton's dispatch
+    out = forward()
+    assert len(dispatched) == launches  # the second: direct
+    for index, (kernel, kwargs) in enumerate(dispatched, start=1):
+        params = _source_params(kernel)
+        expected = tuple(
+            launch_value(kwargs[n]) if n in kwargs else params.defaults[i]
+            for i, n in enumerate(params.names)
+        )
+        ran = variants[index].ran[-1][2]
+        # the second forward's own output: its address where the first one's was (a
+        # one-split kernel also takes it for its untouched partials)
+        outs = [i for i, n in enumerate(params.names) if kwargs.get(n) is kwargs["Out"]]
+        expected = tuple(out.data_ptr() if i in outs else v for i, v in enumerate(expected))
+        assert ran == expected, kernel
+
+
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not interpreting(),
+    reason="plans a CPU step, which needs Triton's interpreter (a GPU host runs "
+    "the backends' GPU tests' direct launches instead)",
+)
+
+
+@NEEDS_INTERPRETER
+def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
+    """The triton backend's real launches (a mixed step: split decodes and a chunk, each
+    an attention and a reduction)."""
+    import pagedkv
+    from pagedkv import AttentionSpec, CommonAttentionMetadata
+
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
                          block_size=16)  # fmt: skip
     seq_lens, query_lens = [4000, 40, 900, 3000], [1, 1, 1, 64]
@@ -211,21 +237,48 @@ def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
     assert len(md.parts) == 2 and all(p.reduce is not None for p in md.parts), md.describe()
     impl, cache = backend.make_impl(spec), backend.allocate_kv_cache(first, spec, "cpu")
     query = torch.randn(common.num_actual_tokens, 8, 32).half()
-    impl.forward(query, None, None, cache, md, torch.empty_like(query))
-    assert len(dispatched) == 4  # every launch's first call: Triton's dispatch
-    impl.forward(query, None, None, cache, md, out := torch.empty_like(query))
-    assert len(dispatched) == 4  # the second: direct
-    for index, (kernel, kwargs) in enumerate(dispatched, start=1):
-        params = source_params(kernel)
-        expected = tuple(
-            launch_value(kwargs[n]) if n in kwargs else params.defaults[i]
-            for i, n in enumerate(params.names)
-        )
-        ran = variants[index].ran[-1][2]
-        # the second forward's own output: its address where the first one's was
-        out_params = [i for i, n in enumerate(params.names) if n == "Out"]
-        expected = tuple(out.data_ptr() if i in out_params else v for i, v in enumerate(expected))
-        assert ran == expected, kernel
+
+    def forward():
+        out = torch.empty_like(query)
+        impl.forward(query, None, None, cache, md, out)
+        return out
+
+    _two_forwards(monkeypatch, forward, 4)
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize(
+    ("options", "launches"),
+    [({}, 1), ({"num_splits": 3}, 2), ({"num_splits": 3, "use_tma": False}, 2)],
+)
+def test_a_direct_mla_launch_passes_what_tritons_dispatch_binds(monkeypatch, options, launches):
+    """The MLA backend's launches: one split (the attention alone, its partials' pointers
+    the output) or three (attention and reduction), the layer's group (the cache, its
+    descriptors or strides, CAUSAL) and the forward's arguments."""
+    from pagedkv import AttentionSpec, CommonAttentionMetadata
+
+    spec = AttentionSpec(num_heads=32, num_kv_heads=1, head_size=80, dtype=torch.float16,
+                         block_size=16, scale=0.3, kv_lora_rank=64, qk_rope_head_dim=16)  # fmt: skip
+    seq_lens, query_lens = [1200, 30, 600], [1, 4, 1]
+    tables, first = [], 1
+    for n in seq_lens:
+        tables.append(list(range(first, first + -(-n // 16))))
+        first += len(tables[-1])
+    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    from pagedkv.backends.mla import MLABackend
+
+    backend = MLABackend(**options)
+    md = backend.make_builder(spec, "cpu").build(common)
+    assert (md.plan.reduce is not None) == (launches == 2), md.describe()
+    impl, cache = backend.make_impl(spec), backend.allocate_kv_cache(first, spec, "cpu")
+    query = torch.randn(common.num_actual_tokens, 32, 80).half()
+
+    def forward():
+        out = torch.empty(query.shape[0], 32, 64, dtype=torch.float16)
+        impl.forward(query, None, None, cache, md, out)
+        return out
+
+    _two_forwards(monkeypatch, forward, launches)
 
 
 def test_a_call_entry_is_the_specialization_and_the_launch_value(monkeypatch):

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from pagedkv.backend import AttentionImpl, expect_tensor
 from pagedkv.backends.mla.builder import MLAMetadata
-from pagedkv.backends.mla.plan import POINTER, LayerArgs, cache_problem, layer_args
+from pagedkv.backends.mla.plan import POINTER, LayerArgs, StepPlan, cache_problem, layer_args
 from pagedkv.errors import UnsupportedError
 from pagedkv.toolkit.interpreter import interpreter_problem
 from pagedkv.toolkit.kv_write import write_kv_by_slot
-from pagedkv.toolkit.launch import KernelLaunch, run_launches
+from pagedkv.toolkit.launch import KernelLaunch
 
 
 class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
@@ -167,7 +167,8 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
             out = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         if metadata.zero_rows_from is not None:
             out[metadata.zero_rows_from :] = 0  # padding rows: zero, not stale
-        run_launches(self.plan_attention(q_nope, q_pe, kv_cache, metadata, out))
+        plan, layer = self._plan_and_layer(kv_cache, metadata)
+        plan.run(_unit_last_stride(q_nope), _unit_last_stride(q_pe), out, layer)
         if out is not output:
             output.copy_(out)
 
@@ -179,9 +180,17 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         metadata: MLAMetadata,
         out: torch.Tensor,
     ) -> list[KernelLaunch]:
-        """The kernel launches of the attention into ``out`` (no write), for the forward
-        and for the sm_90 compile check; the kernel is the one the builder planned for
-        its device (``metadata.plan.kind``)."""
+        """The kernel launches of the attention into ``out`` (no write), as the forward
+        runs them (for the sm_90 compile check and the CUDA-graph tests); the kernel is
+        the one the builder planned for its device (``metadata.plan.kind``)."""
+        plan, layer = self._plan_and_layer(kv_cache, metadata)
+        return plan.launches(_unit_last_stride(q_nope), _unit_last_stride(q_pe), out, layer)
+
+    def _plan_and_layer(
+        self, kv_cache: torch.Tensor, metadata: MLAMetadata
+    ) -> tuple[StepPlan, LayerArgs]:
+        """The step's plan for this cache (the pointer-load plan where TMA cannot read
+        it) and the layer's arguments over it (computed once per cache)."""
         plan = metadata.plan
         block_n = metadata.config.block_n
         key = (plan.kind, block_n, kv_cache.data_ptr(), kv_cache.shape, kv_cache.dtype)
@@ -192,7 +201,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         if memo[1] != plan.kind:
             assert plan.fallback is not None  # only a POINTER plan has none
             plan = plan.fallback()
-        return plan.launches(_unit_last_stride(q_nope), _unit_last_stride(q_pe), out, memo[2])
+        return plan, memo[2]
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

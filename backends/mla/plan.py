@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from pagedkv.graph import GraphBounds
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
+from pagedkv.toolkit.dispatch import LaunchArgs
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
@@ -141,53 +142,64 @@ def cache_problem(cache: torch.Tensor, kind: str) -> str | None:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A step's attention launches, but for the layer's tensors and scales."""
+    """A step's attention launches, but for the layer's tensors and scales: each launch's
+    step arguments as a template, run with a layer's groups and a forward's own
+    arguments (``pagedkv.toolkit.dispatch``: Triton's per-call dispatch only on a
+    specialisation's first call)."""
 
     kind: str  # GLUON, TMA or POINTER
-    kernel: Any  # the attention kernel
-    grid: tuple[int, int]  # (tiles, splits)
-    args: dict[str, Any]  # the attention kernel's arguments that only depend on the step
-    reduce_grid: tuple[int] | None  # None: one split (or nothing to reduce)
-    reduce_args: dict[str, Any] | None
+    attention: KernelLaunch  # the attention kernel, its grid and its step arguments
+    reduce: KernelLaunch | None  # the reduction's (None: one split, or nothing to merge)
     multi_token: bool  # some request has several query tokens (causal limits per row)
     # the same step planned for the pointer-load Triton kernel (for an unusual cache)
     fallback: Callable[[], StepPlan] | None = None
+
+    def run(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
+    ) -> None:
+        """The launches into ``out`` (``launches``' arguments), each template completed
+        by the layer's group and the forward's own arguments."""
+        for template, groups, call in self._parts(q_nope, q_pe, out, layer):
+            template.run_with(*groups, call=call)
 
     def launches(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
     ) -> list[KernelLaunch]:
         """q_nope [T, H, L], q_pe [T, H, R], out [T, H, L], each with a unit last stride;
-        layer: ``layer_args(self.kind, ...)`` of the layer."""
-        if self.grid[0] == 0:
+        layer: ``layer_args(self.kind, ...)`` of the layer. The launches ``run`` makes,
+        each with all its arguments (the compile check, the CUDA-graph tests)."""
+        launches = []
+        for template, groups, call in self._parts(q_nope, q_pe, out, layer):
+            kwargs = dict(template.kwargs)
+            for group in groups:
+                kwargs.update(group.values)
+            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **call}))
+        return launches
+
+    def _parts(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
+    ) -> list[tuple[KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
+        """Each launch: its step template, the layer's groups, the forward's arguments."""
+        if self.attention.grid[0] == 0:
             return []
         o = out.stride()
-        args = dict(
-            self.args,
-            Out=out,
-            stride_o_t=o[0],
-            stride_o_h=o[1],
-            # one query token per request: its causal limit is the sequence's end
-            CAUSAL=layer.causal and self.multi_token,
-            **layer.attention,
-        )
+        output = dict(Out=out, stride_o_t=o[0], stride_o_h=o[1])
+        call = dict(output)
         if self.kind == GLUON:
-            args.update(qn_desc=query_descriptor(q_nope), qp_desc=query_descriptor(q_pe))
+            call.update(qn_desc=query_descriptor(q_nope), qp_desc=query_descriptor(q_pe))
         else:
             qn, qp = q_nope.stride(), q_pe.stride()
-            args.update(QN=q_nope, QP=q_pe, stride_qn_t=qn[0], stride_qn_h=qn[1],
+            call.update(QN=q_nope, QP=q_pe, stride_qn_t=qn[0], stride_qn_h=qn[1],
                         stride_qp_t=qp[0], stride_qp_h=qp[1])  # fmt: skip
-        if self.reduce_args is None:
+        if self.reduce is None:
             # the one-split variant never touches its partial-output pointers
-            args["MidO"] = args["MidLse"] = out
-            return [KernelLaunch(self.kernel, self.grid, args)]
-        reduce = dict(
-            self.reduce_args, Out=out, stride_o_t=o[0], stride_o_h=o[1], out_scale=layer.out_scale
-        )
-        assert self.reduce_grid is not None
-        return [
-            KernelLaunch(self.kernel, self.grid, args),
-            KernelLaunch(_mla_reduce, self.reduce_grid, reduce),
-        ]
+            call.update(MidO=out, MidLse=out)
+        # one query token per request: its causal limit is the sequence's end
+        causal = layer.causal and self.multi_token
+        parts = [(self.attention, (layer.attention_group(causal),), call)]
+        if self.reduce is not None:
+            parts.append((self.reduce, (layer.reduce_group(),), output))
+        return parts
 
 
 def plan_step(
@@ -233,8 +245,6 @@ def plan_step(
         TileKeys=items[3],
         TokenRanges=token_ranges[0],
         TokenPartial=token_ranges[1],
-        MidO=mid_o,
-        MidLse=mid_lse,
         stride_bt=common.block_table.stride(0),
         NUM_HEADS=heads,
         L=lora,
@@ -264,18 +274,17 @@ def plan_step(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    reduce_grid = reduce_args = None
+    reduce = None
     if not one_split and merge_entries:
+        # the partials: the reduction's, and the attention kernel's (a one-split kernel
+        # never touches them: each forward passes its output there)
+        args.update(MidO=mid_o, MidLse=mid_lse)
         reduce_grid, shape = reduce_shape(merge_entries, heads, lora, num_splits, num_sms)
         reduce_args = dict(
-            MidO=mid_o,
-            MidLse=mid_lse,
-            Merges=merges,
-            NUM_HEADS=heads,
-            L=lora,
-            **shape,
+            MidO=mid_o, MidLse=mid_lse, Merges=merges, NUM_HEADS=heads, L=lora, **shape,
             num_warps=4,
-        )
+        )  # fmt: skip
+        reduce = KernelLaunch(_mla_reduce, reduce_grid, reduce_args)
     fallback = None
     if kind != POINTER:
         fallback = functools.partial(
@@ -284,9 +293,8 @@ def plan_step(
             kind=POINTER,
         )  # fmt: skip
     multi_token = common.max_query_len > 1
-    return StepPlan(
-        kind, kernel, (items.shape[1],), args, reduce_grid, reduce_args, multi_token, fallback
-    )
+    attention = KernelLaunch(kernel, (items.shape[1],), args)
+    return StepPlan(kind, attention, reduce, multi_token, fallback)
 
 
 def reduce_shape(
@@ -319,6 +327,23 @@ class LayerArgs:
     attention: dict[str, Any]
     out_scale: float  # k_scale for an fp8 cache (V is the stored latent), else 1
     causal: bool
+    # the launch groups made of them (``attention_group``, ``reduce_group``)
+    _groups: dict[Any, LaunchArgs] = field(default_factory=dict, compare=False, repr=False)
+
+    def attention_group(self, causal: bool) -> LaunchArgs:
+        """The attention kernel's layer arguments, with ``CAUSAL`` (the layer's causality
+        where the step has multi-token requests), specialised once."""
+        group = self._groups.get(causal)
+        if group is None:
+            group = self._groups[causal] = LaunchArgs({**self.attention, "CAUSAL": causal})
+        return group
+
+    def reduce_group(self) -> LaunchArgs:
+        """The reduction's layer argument (the output's scale), specialised once."""
+        group = self._groups.get("reduce")
+        if group is None:
+            group = self._groups["reduce"] = LaunchArgs({"out_scale": self.out_scale})
+        return group
 
 
 def layer_args(kind: str, cache: torch.Tensor, spec: AttentionSpec, block_n: int) -> LayerArgs:
