@@ -238,11 +238,13 @@ def _spec(dtype=torch.float16, **changes):
     return AttentionSpec(**fields)
 
 
-def _step(spec, seq_lens=(20, 7), query_lens=(3, 7), blocks=((2, 4), (1,)), num_tokens=None):
+def _step(
+    spec, seq_lens=(20, 7), query_lens=(3, 7), blocks=((2, 4), (1,)), num_tokens=None, **options
+):
     common = pagedkv.CommonAttentionMetadata.from_requests(
         seq_lens, query_lens, blocks, spec.block_size, DEVICE, num_tokens=num_tokens
     )
-    backend = MLABackend()
+    backend = MLABackend(**options)
     return backend, backend.make_builder(spec, DEVICE).build(common), backend.make_impl(spec)
 
 
@@ -315,8 +317,10 @@ def test_write_without_rope_part(use_triton):
 
 def test_a_misaligned_cache_falls_back_to_pointer_loads():
     spec = _spec()
-    _, md, impl = _step(spec)
-    assert md.plan.kind == "tma"  # the interpreter runs TMA loads
+    # TMA tiles within a block of 16 rows (the interpreter runs TMA loads too; a GPU's
+    # table row may take wider tiles, through pointers)
+    _, md, impl = _step(spec, use_tma=True, block_n=16)
+    assert md.plan.kind == "tma"
     g = torch.Generator().manual_seed(3)
     aligned = torch.randn(6, 16, 80, generator=g).half().to(DEVICE)
     storage = torch.empty(aligned.numel() + 1, dtype=torch.float16, device=DEVICE)

@@ -201,6 +201,16 @@ def test_every_launched_variant_compiles_for_sm90():
     assert not serialized, "wgmma serialized:\n" + "\n".join(serialized)
     spilled = [str(r) for r in gluon if (r.spill_bytes or 0) > 384]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
+    # on sm_90 the reduction is the attention's programmatic dependent: a split attention
+    # variant lets it launch early, the reduction waits before it reads a partial, a
+    # one-split variant has no dependent
+    for launch, result in zip(launches, results, strict=True):
+        if _name(launch) == "_mla_reduce":
+            assert result.grid_dependency == ("wait",), result.label
+        elif _name(launch) != "write_kv_kernel":
+            split = not launch.kwargs["ONE_SPLIT"]
+            assert launch.kwargs["LAUNCH_DEPENDENTS"] == split, result.label
+            assert result.grid_dependency == (("launch_dependents",) if split else ()), result.label
 
 
 def test_the_hopper_row_uses_the_gluon_kernel_and_one_split_for_the_headline_decode():

@@ -62,6 +62,9 @@ class CompileResult:
     # local-memory loads and stores (spills) inside a loop of the SASS; None: no spill,
     # or unknown (no cuobjdump beside Triton's ptxas, or served from Triton's cache)
     loop_spills: int | None = None
+    # the PTX's grid dependency controls (programmatic dependent launch): "wait",
+    # "launch_dependents"
+    grid_dependency: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if not self.ok:
@@ -252,6 +255,9 @@ def _compile_one(module: str, qualname: str, args: tuple, kwargs: dict, arch: in
         "spill_bytes": max(map(int, spills)) if spills else None,
         "wgmma_serialized": ("C7514" in log.getvalue()) if registers else None,
         "loop_spills": loop_spills,
+        "grid_dependency": tuple(
+            sorted(set(re.findall(r"griddepcontrol\.(\w+)", compiled.asm["ptx"])))
+        ),
     }
 
 

@@ -39,6 +39,7 @@ chosen. A tile with no query rows (the padding of a CUDA-graph step) does nothin
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -352,7 +353,12 @@ def _mla_attention_sm90(
     ONE_SPLIT: gl.constexpr,
     CAUSAL: gl.constexpr,
     WORKER_REGS: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,  # the reduction is this launch's programmatic dependent
 ):
+    if LAUNCH_DEPENDENTS:
+        # the reduction may take the SMs this grid leaves: it waits for the grid's end
+        # before it reads a partial
+        tl.extra.cuda.gdc_launch_dependents()
     dtype: gl.constexpr = half_desc.dtype
     item = gl.program_id(0)
     # (the four loads before the test: one memory round trip at the program's start)

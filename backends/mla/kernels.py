@@ -73,7 +73,12 @@ def _mla_attention(
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the reduction is this launch's programmatic dependent
 ):
+    if LAUNCH_DEPENDENTS:
+        # the reduction may take the SMs this grid leaves: it waits for the grid's end
+        # before it reads a partial
+        tl.extra.cuda.gdc_launch_dependents()
     item = tl.program_id(0)
     # (the four loads before the test: one memory round trip at the program's start)
     req = tl.load(TileReq + item)
@@ -227,15 +232,21 @@ def _mla_reduce(
     SPLITS_CHUNK: tl.constexpr,  # ranges merged per loop step (a power of two)
     BLOCK_L: tl.constexpr,  # latent columns per unit
     COL_BLOCKS: tl.constexpr,  # cdiv(L, BLOCK_L)
+    WAIT_FOR_PRIMARY: tl.constexpr,  # launched as the attention's programmatic dependent
 ):
     # units of work: (merged token, head, column block). The grid is fixed (a CUDA
     # graph's holds every step within its bounds) and the count of tokens to merge is on
     # the device: each program takes every num_programs-th unit, a program past the
     # step's units none. Only the tokens of cut requests are listed: a request of one
-    # range wrote its rows itself.
+    # range wrote its rows itself. (The list was copied before the attention kernel
+    # started: readable before the wait, so a program without units ends at once.)
     units = tl.load(Merges) * (NUM_HEADS * COL_BLOCKS)
     offs_s = tl.arange(0, SPLITS_CHUNK)
     for unit in range(tl.program_id(0), units, tl.num_programs(0)):
+        if WAIT_FOR_PRIMARY:
+            # the partials are complete only after this (a wait past the first returns
+            # at once)
+            tl.extra.cuda.gdc_wait()
         row = unit // COL_BLOCKS  # merge entry * NUM_HEADS + head
         offs_l = (unit % COL_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)
         entry = Merges + 1 + 3 * (row // NUM_HEADS)

@@ -235,6 +235,11 @@ def plan_step(
             kind = POINTER
     lora, rope, heads = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_heads
     one_split = num_splits == 1
+    reduces = not one_split and merge_entries > 0
+    # the reduction launched as the attention's programmatic dependent (sm_90+): its
+    # launch overlaps the attention's last wave, and its programs without a token (a
+    # CUDA graph's grid holds every step's) end before the attention does
+    programmatic = reduces and capability is not None and capability[0] >= 9
     args: dict[str, Any] = dict(
         BlockTable=common.block_table,
         SeqLens=common.seq_lens,
@@ -251,6 +256,7 @@ def plan_step(
         R=rope,
         BLOCK_SIZE=spec.block_size,
         ONE_SPLIT=one_split,
+        LAUNCH_DEPENDENTS=programmatic,
     )
     if kind == GLUON:
         from pagedkv.backends.mla.gluon_kernels import _mla_attention_sm90 as kernel
@@ -275,14 +281,16 @@ def plan_step(
             num_stages=config.num_stages,
         )
     reduce = None
-    if not one_split and merge_entries:
+    if reduces:
         # the partials: the reduction's, and the attention kernel's (a one-split kernel
         # never touches them: each forward passes its output there)
         args.update(MidO=mid_o, MidLse=mid_lse)
         reduce_grid, shape = reduce_shape(merge_entries, heads, lora, num_splits, num_sms)
         reduce_args = dict(
             MidO=mid_o, MidLse=mid_lse, Merges=merges, NUM_HEADS=heads, L=lora, **shape,
-            num_warps=4,
+            WAIT_FOR_PRIMARY=programmatic, num_warps=4,
+            # Triton's interpreter takes no launch_pdl
+            **({"launch_pdl": True} if programmatic else {}),
         )  # fmt: skip
         reduce = KernelLaunch(_mla_reduce, reduce_grid, reduce_args)
     fallback = None
