@@ -389,3 +389,52 @@ def test_call_args_are_found_once_for_every_launch_that_takes_them():
         fresh.names, fresh.specs, fresh.values, fresh.key, dict(fresh.mapping),
     )  # fmt: skip
     assert dispatch.CallArgs({"X": x[1:], "stride": 5}).key != call.key
+
+
+def test_a_direct_launch_encodes_each_tma_descriptor_once_per_address_and_shape(monkeypatch):
+    """Triton's launcher for a kernel of host TMA descriptors is a wrapper that encodes
+    each one at every launch; a direct launch calls the wrapper's C launcher with the
+    same arguments, each descriptor encoded once per (address, shape, strides)."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    encoded = []
+
+    def encode(desc, metadata):  # Triton's make_tensordesc_arg: a CUtensorMap, shape, strides
+        encoded.append((desc.base.data_ptr(), metadata))
+        return [("map", desc.base.data_ptr(), metadata), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    passed = []
+
+    def c_launcher(*args):
+        passed.append(args)
+
+    signature = {0: "*bf16", 1: "tensordesc<bf16[16, 16]>", 2: "i32", 3: "tensordesc<bf16[8, 16]>"}
+    wrapper = driver.wrap_handle_tensordesc(c_launcher, signature, [{"m": 1}, {"m": 2}])
+    descriptors = dispatch._Descriptors.unwrap(wrapper)
+    assert descriptors is not None and descriptors.indices == (1, 3)
+    x, y = torch.zeros(32, 16, dtype=torch.bfloat16), torch.zeros(64, 16, dtype=torch.bfloat16)
+    first = TensorDescriptor.from_tensor(x, [16, 16])
+    second = TensorDescriptor.from_tensor(y, [8, 16])
+    base = tuple(range(driver._BASE_ARGS_FORMAT_LEN))
+    args = [123, first, 7, second]
+    wrapper(*base, *args)  # what Triton's wrapper gives its C launcher
+    encoded.clear()
+    assert base + tuple(descriptors.expand(args)) == passed[0]
+    assert len(encoded) == 2
+    descriptors.expand([5, TensorDescriptor.from_tensor(x, [16, 16]), 9, second])
+    assert len(encoded) == 2  # the same address, shape and strides: kept
+    descriptors.expand([5, TensorDescriptor.from_tensor(x[16:], [16, 16]), 9, second])
+    assert encoded[2:] == [(x[16:].data_ptr(), {"m": 1})]  # another address: encoded
+    # a variant launched directly calls the C launcher itself
+    run = CudaLauncher()
+    run.launch = wrapper
+    compiled = _Compiled()
+    compiled.run = run
+    variant = dispatch.CompiledLaunch(compiled)
+    assert variant.descriptors is not None and variant.c_launch is c_launcher
+    variant.launch((4,), args, 7)
+    assert passed[-1] == (4, 1, 1, 7, *variant.fixed, *descriptors.expand(args))
+    # another wrapper (not Triton's) is called as it is
+    assert dispatch._Descriptors.unwrap(lambda *args: None) is None

@@ -60,11 +60,12 @@ def specialization(value: Any) -> Any:
         return None
     if _is_tensor_descriptor(value):
         # Triton keys a host descriptor by dtype, block shape and layout; the rest is finer
+        base = value.base
         return (
-            "desc", type(value).__qualname__, specialization(value.base),
-            tuple(value.block_shape), repr(getattr(value, "layout", None)),
-            getattr(value, "padding", None),
-            *(specialization(int(n)) for n in (*value.shape, *value.strides)),
+            "desc", type(value).__qualname__, base.dtype, base.data_ptr() % 16 == 0,
+            tuple(value.block_shape), _layout_key(getattr(value, "layout", None)),
+            getattr(value, "padding", None), *map(_int_spec, value.shape),
+            *map(_int_spec, value.strides),
         )  # fmt: skip
     return _OPAQUE
 
@@ -73,6 +74,30 @@ def specialization(value: Any) -> Any:
 # from one forward to the next (bounded: cleared when full)
 _INT_SPECS: dict[int, tuple] = {}
 _INT_SPECS_MAX = 4096
+
+
+def _int_spec(value: int) -> tuple:
+    """An int's specialisation, looked up by value."""
+    spec = _INT_SPECS.get(value)
+    if spec is None:
+        if len(_INT_SPECS) >= _INT_SPECS_MAX:
+            _INT_SPECS.clear()
+        spec = _INT_SPECS[value] = specialization(int(value))
+    return spec
+
+
+# a Gluon shared layout's key (its repr, a dataclass's: slow), by the layout object (kept,
+# so that its id stays its own; layouts are few and made once)
+_LAYOUT_KEYS: dict[int, tuple[Any, str]] = {}
+
+
+def _layout_key(layout: Any) -> str | None:
+    if layout is None:
+        return None
+    hit = _LAYOUT_KEYS.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        hit = _LAYOUT_KEYS[id(layout)] = (layout, repr(layout))
+    return hit[1]
 
 
 def call_entry(value: Any) -> tuple[Any, Any]:
@@ -84,12 +109,7 @@ def call_entry(value: Any) -> tuple[Any, Any]:
         address = value.data_ptr()
         return (value.dtype, address % 16 == 0), address
     if kind is int:
-        spec = _INT_SPECS.get(value)
-        if spec is None:
-            if len(_INT_SPECS) >= _INT_SPECS_MAX:
-                _INT_SPECS.clear()
-            spec = _INT_SPECS[value] = specialization(value)
-        return spec, value
+        return _int_spec(value), value
     return specialization(value), launch_value(value)
 
 
@@ -376,11 +396,12 @@ class CompiledLaunch:
     Triton's wrapper that encodes them and calls it. Without launch hooks the launch's
     metadata (made only for a hook) is not built."""
 
-    __slots__ = ("c_launch", "compiled", "fixed")
+    __slots__ = ("c_launch", "compiled", "descriptors", "fixed")
 
     def __init__(self, compiled: Any) -> None:
         self.compiled = compiled
         self.c_launch = None
+        self.descriptors: _Descriptors | None = None
         self.fixed: tuple[Any, ...] = ()
         run = compiled.run
         if (
@@ -392,6 +413,9 @@ class CompiledLaunch:
             and hasattr(run, "launch_pdl")
         ):
             self.c_launch = run.launch
+            self.descriptors = _Descriptors.unwrap(run.launch)
+            if self.descriptors is not None:  # the wrapper's C launcher, encoding kept
+                self.c_launch = self.descriptors.c_launch
             # after the grid and stream: the function, cooperative grid, PDL, the global
             # and profile scratch (none), the packed metadata, launch metadata and hooks
             self.fixed = (
@@ -405,6 +429,8 @@ class CompiledLaunch:
         enter, exit_ = hooks.launch_enter_hook, hooks.launch_exit_hook
         hooked = _active(enter) or _active(exit_)
         if self.c_launch is not None and not hooked:
+            if self.descriptors is not None:
+                args = self.descriptors.expand(args)
             self.c_launch(g[0], g[1], g[2], stream, *self.fixed, *args)
             return
         compiled = self.compiled
@@ -416,3 +442,61 @@ class CompiledLaunch:
             g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata,
             enter, exit_, *args,
         )  # fmt: skip
+
+
+class _Descriptors:
+    """A kernel's host TMA descriptor arguments as Triton's launcher wrapper passes them
+    to its C launcher (each a ``CUtensorMap``, then the shape and strides), encoded once
+    per (address, shape, strides) instead of at every launch (``cuTensorMapEncodeTiled``
+    and the wrapper's Python, ~5 us a descriptor on an H200 host): a layer's cache
+    descriptors are the same at every forward, a forward's query descriptors whenever
+    its buffer is (the caching allocator reuses them). The encoding is a value of those
+    and of the variant's own descriptor metadata: no tensor is kept."""
+
+    __slots__ = ("c_launch", "encode", "indices", "memos", "metadata")
+    MAX_ENCODINGS = 64  # per descriptor argument (cleared when full)
+
+    def __init__(self, c_launch: Any, indices: Sequence[int], metadata: Sequence[Any],
+                 encode: Any) -> None:  # fmt: skip
+        self.c_launch = c_launch
+        self.indices = tuple(sorted(indices))
+        self.metadata = tuple(metadata)
+        self.encode = encode
+        self.memos: tuple[dict[tuple, list[Any]], ...] = tuple({} for _ in self.indices)
+
+    @classmethod
+    def unwrap(cls, launch: Any) -> _Descriptors | None:
+        """The descriptors of Triton's wrapper ``launch`` (``wrap_handle_tensordesc``'s
+        ``inner``: its C launcher, the descriptors' argument indices and metadata in its
+        closure, the encoder in its module), or None: not that wrapper, or descriptors
+        the wrapper passes as tensors (no metadata: nothing to encode)."""
+        code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+        if code is None or closure is None:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+        encode = getattr(launch, "__globals__", {}).get("make_tensordesc_arg")
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or encode is None:
+            return None
+        indices, metadata = cells["tensordesc_indices"], cells["tensordesc_meta"]
+        if not metadata or len(metadata) != len(indices) or any(m is None for m in metadata):
+            return None
+        return cls(cells["launcher"], indices, metadata, encode)
+
+    def expand(self, args: list[Any]) -> list[Any]:
+        """``args`` (every parameter) with each descriptor replaced by its encoding."""
+        out: list[Any] = []
+        start = 0
+        for slot, i in enumerate(self.indices):
+            out += args[start:i]
+            desc = args[i]
+            key = (desc.base.data_ptr(), *desc.shape, *desc.strides, getattr(desc, "padding", None))
+            memo = self.memos[slot]
+            encoded = memo.get(key)
+            if encoded is None:
+                if len(memo) >= self.MAX_ENCODINGS:
+                    memo.clear()
+                encoded = memo[key] = self.encode(desc, self.metadata[slot])
+            out += encoded
+            start = i + 1
+        out += args[start:]
+        return out
