@@ -29,7 +29,10 @@ for all of a forward's launches (``CallArgs``).
 The launch itself goes to Triton's C launcher directly where its Python wrapper would
 only pass the arguments on (no scratch memory to allocate), and without the launch's
 metadata and hooks while no launch hook is installed: Triton 3.5+ builds the metadata
-and calls its (empty) chains of hooks at every launch.
+and calls its (empty) chains of hooks at every launch. For a kernel of host TMA
+descriptors, whose launcher wrapper encodes each one at every launch, the encodings
+are kept by address, shape and strides (``_Descriptors``; on the H200 an MLA forward's
+launches took 40.5 us instead of 51.4, docs/mla.md).
 """
 
 from __future__ import annotations
