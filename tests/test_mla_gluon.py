@@ -131,6 +131,26 @@ def test_a_query_tma_cannot_read_is_copied_first():
     assert desc.base.is_contiguous() and torch.equal(desc.base, odd_rows)
 
 
+def test_a_query_descriptor_equals_one_gluon_builds_and_checks_it_once_a_shape(monkeypatch):
+    from triton.experimental.gluon.nvidia import hopper
+
+    q_nope = torch.zeros(128, 10, 512, dtype=torch.bfloat16).transpose(0, 1)
+    first = query_descriptor(q_nope)
+    built = hopper.TensorDescriptor(
+        q_nope, list(q_nope.shape), list(q_nope.stride()), first.block_shape, first.layout
+    )
+    assert first == built  # every field, the base tensor's identity included
+    other = torch.zeros(128, 10, 512, dtype=torch.bfloat16).transpose(0, 1)
+    expected = dataclasses.replace(first, base=other)
+    checked = []
+    monkeypatch.setattr(hopper.TensorDescriptor, "__post_init__", lambda d: checked.append(d))
+    again = query_descriptor(other)
+    assert again.base is other and again == expected
+    assert checked == []  # the same dtype, shape and strides: checked before
+    query_descriptor(torch.zeros(128, 11, 512, dtype=torch.bfloat16).transpose(0, 1))
+    assert len(checked) == 1  # a new shape: Gluon's checks run
+
+
 def _metadata(capability=HOPPER, **options):
     scenario = Scenario("x", (300, 40), (1, 1), kv_lora_rank=512, qk_rope_head_dim=64,
                         num_heads=128, block_size=64, dtype=torch.bfloat16)  # fmt: skip
