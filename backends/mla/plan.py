@@ -4,9 +4,11 @@
   sm_90 kernel, or the Triton kernel with TMA or pointer loads), its grid, and every
   launch argument that depends only on the step, the spec and the configuration; the
   split reduction's likewise.
-- ``StepPlan.launches`` (every layer's forward): adds the layer's tensors (query parts,
-  output, and ``layer_args``: the cache's arguments and the layer's scales, which a
-  layer computes once per cache) and returns the ``KernelLaunch`` list.
+- ``StepPlan.run`` (every layer's forward): completes each launch's step arguments with
+  the layer's group (``layer_args``: the cache's arguments and the layer's scales,
+  which a layer computes once per cache) and the forward's own (query parts, output),
+  and launches it through ``pagedkv.toolkit.dispatch``; ``StepPlan.launches`` returns
+  the same launches as ``KernelLaunch``es (the compile check, the graph tests).
 
 The kernel choice assumes a cache as ``allocate_kv_cache`` makes it (contiguous, which
 the cache check enforces, and 16-byte aligned); a cache that is not aligned, or too
