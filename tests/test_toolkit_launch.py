@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from pagedkv.toolkit import launch as launch_module
-from pagedkv.toolkit.launch import KernelLaunch, compiled_fit, kernel_fit, programmatic_launch
+from pagedkv.toolkit.launch import (
+    KernelLaunch,
+    compiled_fit,
+    kernel_fit,
+    programmatic_capability,
+    programmatic_launch,
+)
 
 
 def test_a_launch_passes_keywords_only():
@@ -29,6 +35,12 @@ def test_a_launch_passes_keywords_only():
 def test_no_programmatic_launch_on_a_cpu():
     assert not programmatic_launch("cpu")
     assert not programmatic_launch(torch.device("cpu"))
+
+
+def test_programmatic_launches_from_sm90():
+    assert not programmatic_capability(None)
+    assert not programmatic_capability((8, 0))
+    assert programmatic_capability((9, 0)) and programmatic_capability((10, 0))
 
 
 @pytest.mark.parametrize(

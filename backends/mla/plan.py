@@ -43,7 +43,7 @@ from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
 from pagedkv.toolkit.dispatch import LaunchArgs
 from pagedkv.toolkit.interpreter import interpreting
-from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.launch import KernelLaunch, programmatic_capability
 from pagedkv.toolkit.triton_helpers import LOG2E
 
 # how the attention kernel reads the latent cache
@@ -241,7 +241,7 @@ def plan_step(
     # the reduction launched as the attention's programmatic dependent (sm_90+): its
     # launch overlaps the attention's last wave, and its programs without a token (a
     # CUDA graph's grid holds every step's) end before the attention does
-    programmatic = reduces and capability is not None and capability[0] >= 9
+    programmatic = reduces and programmatic_capability(capability)
     args: dict[str, Any] = dict(
         BlockTable=common.block_table,
         SeqLens=common.seq_lens,

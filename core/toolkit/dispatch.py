@@ -391,13 +391,14 @@ def current_stream() -> int:
 
 class CompiledLaunch:
     """A compiled variant and how it is launched directly (``launch(grid, args,
-    stream)``, ``args`` every non-constexpr parameter in order, tensors as addresses):
-    what Triton's dispatch ends with (the variant's ``run``), or, where that is
-    Triton's CUDA launcher with no scratch memory to allocate per launch, the
+    stream)``, ``args`` every parameter in order, constexprs included, tensors as
+    addresses): what Triton's dispatch ends with (the variant's ``run``), or, where that
+    is Triton's CUDA launcher with no scratch memory to allocate per launch, the
     launcher's ``launch`` with its fixed arguments bound (``CudaLauncher.__call__``
-    would only pass them on): the C entry point, or for a kernel of TMA descriptors
-    Triton's wrapper that encodes them and calls it. Without launch hooks the launch's
-    metadata (made only for a hook) is not built."""
+    would only pass them on): the C entry point; for a kernel of TMA descriptors the C
+    entry point behind Triton's wrapper, each descriptor's encoding kept
+    (``_Descriptors``), or the wrapper itself where it cannot be unwrapped. Without
+    launch hooks the launch's metadata (made only for a hook) is not built."""
 
     __slots__ = ("c_launch", "compiled", "descriptors", "fixed")
 

@@ -77,7 +77,15 @@ def programmatic_launch(device: torch.device | str) -> bool:
     if device.type != "cuda" or interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] >= 9
+    return programmatic_capability(_capability(index))
+
+
+def programmatic_capability(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU of compute ``capability`` takes programmatic dependent launches
+    (sm_90 or newer; None: no GPU, or Triton's interpreter). For a plan made for a
+    device other than the one present (the sm_90 compile checks); ``programmatic_launch``
+    asks the device itself."""
+    return capability is not None and capability[0] >= 9
 
 
 @dataclass(frozen=True)
