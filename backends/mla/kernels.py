@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.triton_helpers import fix_interpreter_loop_bounds
+from pagedkv.toolkit.triton_lse_merge import lse_weights
 
 if interpreting():
     fix_interpreter_loop_bounds()  # runtime loop bounds under numpy >= 2.4
@@ -255,8 +256,10 @@ def _mla_reduce(
         first = tl.load(entry + 2).to(tl.int64)
         head = row % NUM_HEADS
         # SPLITS_CHUNK ranges a step, their parts weighted by their log2-sum-exp against
-        # the running largest (-inf for a range that saw no key: weight 0); one step for
-        # most tokens, its loads independent: a long list costs bandwidth, not latency
+        # the running largest (the toolkit's lse_weights; -inf for a range that saw no key:
+        # weight 0); one step for most tokens, its loads independent (a range without a
+        # key wrote zeros: its part is read unmasked), so a long list costs bandwidth,
+        # not latency
         top = tl.max(tl.full([SPLITS_CHUNK], float("-inf"), tl.float32), 0)
         denom = tl.sum(tl.zeros([SPLITS_CHUNK], tl.float32), 0)
         acc = tl.zeros([BLOCK_L], tl.float32)
@@ -269,13 +272,9 @@ def _mla_reduce(
                 mask=in_list[:, None] & (offs_l[None, :] < L),
                 other=0.0,
             )
-            new_top = tl.maximum(top, tl.max(lse, 0))
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)
-            rescale = tl.exp2(top - base)  # 0 before the first range with a key
-            w = tl.exp2(lse - base)
+            top, rescale, w = lse_weights(top, lse, True)
             denom = denom * rescale + tl.sum(w, 0)
             acc = acc * rescale + tl.sum(w[:, None] * part, 0)
-            top = new_top
         out = acc * (out_scale / tl.where(denom == 0.0, 1.0, denom))
         tl.store(
             Out + token * stride_o_t + head * stride_o_h + offs_l,

@@ -4,8 +4,9 @@ results over disjoint key ranges, merged by their log-sum-exp.
 Grid ``(T, H)``: one program per (output row, head) walks the partial rows
 ``merge_indptr[t]:merge_indptr[t + 1]`` a chunk of ``CHUNK`` at a time (one round trip
 to memory per chunk, not per partial: a long decode has tens of slices), with an
-online rescale by the running maximum of the LSEs as flash-decoding's reduction does,
-adds the head's sink logit to the denominator once, and stores the normalised row. A
+online rescale by the running maximum of the LSEs as flash-decoding's reduction does
+(``lse_weights``, which the MLA backend's reduction shares), adds the head's sink logit
+to the denominator once, and stores the normalised row. A
 row with no partials stores zeros. Bounds come from ``merge_indptr`` on the device,
 so no host data is read per step and the launch is CUDA-graph capturable.
 
@@ -26,6 +27,22 @@ fix_interpreter_loop_bounds()  # the loop over partial rows has runtime bounds
 
 # partial rows merged per loop iteration: 16 covers most rows in one or two round trips
 CHUNK = 16
+
+
+@triton.jit
+def lse_weights(top, lse, LOG2: tl.constexpr):
+    """The weights of a chunk of partial results merged by log-sum-exp: ``lse`` [C] their
+    log-sum-exps (natural, or base 2 with ``LOG2``; -inf: a part that saw no key, weight
+    0), ``top`` the largest so far (-inf before any). Returns the new largest, the
+    factor that moves sums made relative to ``top`` to it (0 before the first part with
+    a key), and each part's weight relative to it: ``acc = acc * rescale + sum(weight *
+    part)``, likewise the denominator."""
+    new_top = tl.maximum(top, tl.max(lse, 0))
+    # all -inf so far: nothing to rescale, keep exp() away from -inf - -inf
+    base = tl.where(new_top == float("-inf"), 0.0, new_top)
+    if LOG2:
+        return new_top, tl.exp2(top - base), tl.exp2(lse - base)
+    return new_top, tl.exp(top - base), tl.exp(lse - base)
 
 
 @triton.jit
@@ -67,11 +84,7 @@ def merge_by_lse_kernel(
         ks = k0 + tl.arange(0, CHUNK)
         k_ok = ks < end
         lse = tl.load(PartLse + ks * stride_lt + head * stride_lh, mask=k_ok, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # all -inf so far: nothing to rescale, keep exp() away from -inf - -inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m - m_use)
-        weight = tl.exp(lse - m_use)
+        m, rescale, weight = lse_weights(m, lse, False)
         # a partial with no key (LSE -inf) is not read: its row may be unwritten
         has_keys = k_ok & (lse > float("-inf"))
         parts = tl.load(
@@ -81,7 +94,6 @@ def merge_by_lse_kernel(
         ).to(tl.float32)
         acc = acc * rescale + tl.sum(weight[:, None] * parts, 0)
         denom = denom * rescale + tl.sum(weight, 0)
-        m = m_new
     out = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
         Out + row * stride_ot + head * stride_oh + dims * stride_od,
