@@ -12,8 +12,8 @@
   sequence's keys), the SM count of a device, the log-sum-exp merge of partial
   attention results, and the split-KV combinator: slices of long decodes as extra
   requests of one backend call, for any impl with ``attend_with_lse``.
-- ``pagedkv.toolkit.triton_lse_merge``: the Triton kernel behind the merge on CUDA
-  (imports triton).
+- ``pagedkv.toolkit.triton_lse_merge``: the Triton kernel behind the merge on CUDA,
+  and its weighting step (``lse_weights``) for other kernels' merges (imports triton).
 - ``pagedkv.toolkit.launch``: a planned kernel launch with keyword arguments, and
   whether a device takes programmatic dependent launches.
 - ``pagedkv.toolkit.numerics``: constants shared by every kernel language (``LOG2E``).
