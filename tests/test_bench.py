@@ -112,6 +112,18 @@ def test_host_share_is_eager_minus_graph():
     assert Row("w", "triton", eager_us=130.0).host_us is None
 
 
+def test_launch_is_also_given_as_a_multiple_of_the_host_floor():
+    # the launch microseconds move with the host; their multiple of the run's floor (one
+    # trivial torch op) compares across machines
+    from pagedkv.bench.report import HEADERS, row_cells
+    from pagedkv.bench.runners import Row
+
+    row = Row("w", "mla", eager_us=80.0, launch_us=79.5)
+    assert dict(zip(HEADERS, row_cells(row, 10.6), strict=True))["launch us"] == "79.5 (7.5x)"
+    assert dict(zip(HEADERS, row_cells(row), strict=True))["launch us"] == "79.5"
+    assert dict(zip(HEADERS, row_cells(Row("w", "mla"), 10.6), strict=True))["launch us"] == "-"
+
+
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main([

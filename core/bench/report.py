@@ -23,17 +23,28 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def row_cells(r: Row) -> list[str]:
+def row_cells(r: Row, floor_us: float | None = None) -> list[str]:
+    """A row's cells; ``floor_us``: the run's host floor (``host_floor_us``), which the
+    ``launch`` cell is also given as a multiple of (``79.5 (7.4x)``): our launches are
+    Python and slow down with the host, so that multiple compares across machines where
+    the microseconds do not (on the H200 hosts an MLA row's launch moved 2x between
+    sessions with nothing changed in its path)."""
     if r.error:
         error = " ".join(r.error.split())[:100]
         return [r.workload, r.impl, "ERROR", error, *[""] * (len(HEADERS) - 4)]
     config = " ".join(f"{k}={v}" for k, v in r.config.items() if k != "backend")
     return [
         r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.steady_us, ".1f"), _fmt(r.graph_us, ".1f"),
-        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _fmt(r.launch_us, ".1f"), _fmt(r.write_us, ".1f"), _fmt(r.gbps, ".0f"),
+        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _launch_cell(r.launch_us, floor_us), _fmt(r.write_us, ".1f"), _fmt(r.gbps, ".0f"),
         _fmt(r.pct_copy, ".1f"), _fmt(r.tflops, ".1f"), _fmt(r.vs_baseline, ".2f"),
         _fmt(r.max_abs_diff, ".1e"), config,
     ]  # fmt: skip
+
+
+def _launch_cell(launch_us: float | None, floor_us: float | None) -> str:
+    if launch_us is None or not floor_us:
+        return _fmt(launch_us, ".1f")
+    return f"{launch_us:.1f} ({launch_us / floor_us:.1f}x)"
 
 
 def host_floor(env: dict[str, Any]) -> str:
@@ -44,8 +55,8 @@ def host_floor(env: dict[str, Any]) -> str:
     return f"{floor:.1f} us to enqueue a one-element torch op"
 
 
-def text_table(rows: list[Row]) -> str:
-    return format_table(HEADERS, [row_cells(r) for r in rows])
+def text_table(rows: list[Row], floor_us: float | None = None) -> str:
+    return format_table(HEADERS, [row_cells(r, floor_us) for r in rows])
 
 
 def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) -> str:
@@ -63,13 +74,19 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "---|" * len(HEADERS),
-        *("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |" for r in rows),
+        *(
+            "| "
+            + " | ".join(c.replace("|", "/") for c in row_cells(r, env.get("host_floor_us")))
+            + " |"
+            for r in rows
+        ),
         "",
         "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `steady`: eager "
         "calls back to back, no flush or sync (the longer of host and GPU work); `graph`: the same "
         "call replayed from a CUDA graph captured through `reserve_cuda_graph`; `flushed`: "
         "those replays with the L2 flushed before each, as eager calls); `host` = eager - "
-        "graph; `launch` = the host's time to enqueue one eager call; `vs base` = the baseline's best time / this row's best time (> 1: faster); "
+        "graph; `launch` = the host's time to enqueue one eager call (in brackets: as a multiple of "
+        "the host floor, comparable across machines); `vs base` = the baseline's best time / this row's best time (> 1: faster); "
         "`max|diff|` against the torch backend (fp32 maths; MLA layers: the float64 reference "
         "over the latent rows).",
     ]

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         f"\n{env.get('gpu') or env['device']}: copy bandwidth (read + write, measured now) "
         f"{env['copy_bandwidth'] / 1e12:.3f} TB/s; host: {host_floor(env)}"
     )
-    print(text_table(rows))
+    print(text_table(rows, env.get("host_floor_us")))
     if args.json:
         write_json(args.json, rows, env)
     if args.markdown:
