@@ -237,6 +237,26 @@ for section in "$@"; do
         --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png"
       tail -n 60 "$OUT/bench.log"
       ;;
+    matrix)  # the whole matrix, one bench run per group of backend configs (MATRIX_GROUPS:
+      # space-separated --backends values; with MATRIX_MLA=1 also the MLA matrix against
+      # FlashInfer's MLA), each its own LIMIT and JSON, so that a group that runs out of
+      # time loses only its rows (the standard matrix of triton with FlashInfer's raw
+      # baseline ran past 280 s in the twenty-ninth session); then one table of them,
+      # each row against the flashinfer backend of its own run ($OUT/matrix.md).
+      # MATRIX_WORKLOADS selects rows; MATRIX_ARGS: more options
+      for group in ${MATRIX_GROUPS:-triton,flashinfer pallas flash_attn}; do
+        tag=$(echo "$group" | tr -c 'a-zA-Z0-9_\n' '-' | cut -c1-40)
+        run "matrix-$tag" $PY -m pagedkv.cli bench --backends "$group" --baseline none \
+          --workloads "${MATRIX_WORKLOADS:-}" ${MATRIX_ARGS:-} --json "$OUT/matrix-$tag.json"
+      done
+      if [[ ${MATRIX_MLA:-0} == 1 ]]; then
+        run matrix-mla $PY -m pagedkv.cli bench --backends mla --matrix mla ${MATRIX_ARGS:-} \
+          --json "$OUT/matrix-mla.json"
+      fi
+      jsons=("$OUT"/matrix-*.json)
+      [[ -f ${jsons[0]} ]] && $PY -m pagedkv.cli bench --merge "${jsons[@]}" \
+        --reference flashinfer --markdown "$OUT/matrix.md" | tail -n 40
+      ;;
     bench-fp8)  # the fp8 rows against the flashinfer backend, FlashInfer's fp8 modules
       # built alone first (in the fourteenth session its D 64 / D 256 builds took the call
       # before the fp8 rows came)
