@@ -6,9 +6,9 @@ Grid ``(T, H)``: one program per (output row, head) walks the partial rows
 to memory per chunk, not per partial: a long decode has tens of slices), with an
 online rescale by the running maximum of the LSEs as flash-decoding's reduction does
 (``lse_weights``, which the MLA backend's reduction shares), adds the head's sink logit
-to the denominator once, and stores the normalised row. A
-row with no partials stores zeros. Bounds come from ``merge_indptr`` on the device,
-so no host data is read per step and the launch is CUDA-graph capturable.
+to the denominator once, and stores the normalised row. A row with no partials stores
+zeros. Bounds come from ``merge_indptr`` on the device, so no host data is read per
+step and the launch is CUDA-graph capturable.
 
 Importing this module imports triton; ``pagedkv`` itself never does.
 """
