@@ -259,6 +259,9 @@ def _batches(b: int, level: str) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         "spec-decode": ((b + 2, 2 * b, 2 * b + 7, 3 * b + 3), (2, 4, 5, 8), 0),
         # one long sequence beside a short one
         "long-sequence": ((max(333, 3 * b + 13), 7), (6, 1), 0),
+        # no token rows at all (a scheduler's empty step, a rank without requests): the
+        # builder takes it, forward returns an empty output and writes nothing
+        "empty-step": ((0,), (0,), 0),
     }
     if level == "full":
         rng = random.Random(4)

@@ -286,7 +286,7 @@ class ConformanceRun:
         check.skipped = len(passed) < 2
         if not check.skipped:
             baseline = passed[0]
-            diffs = [float((r.output - baseline.output).abs().max()) for r in passed[1:]]
+            diffs = [_max_abs_diff(r.output, baseline.output) for r in passed[1:]]
             check.detail["baseline"] = baseline.backend
             check.detail["max_abs_diff"] = max(diffs)
             for other in passed[1:]:
@@ -316,3 +316,8 @@ class ConformanceRun:
             "not_applicable": len(plan.not_applicable) if plan else 0,
             "planned": planned,
         }
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| (0 for outputs of no rows: an empty step)."""
+    return float((a - b).abs().max()) if a.numel() else 0.0

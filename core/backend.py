@@ -208,13 +208,18 @@ class AttentionImpl(ABC, Generic[M]):
         metadata: M,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write the new K/V when given, then attend. Returns [T, num_heads, head_size_v]."""
+        """Write the new K/V when given, then attend. Returns [T, num_heads, head_size_v].
+        A step of no token rows (T = 0: a scheduler's empty step, a rank with no requests)
+        has nothing to write or attend: ``write_kv`` and ``attend`` are never called with
+        zero rows, which some kernel launchers reject (JAX's Pallas did, deep inside)."""
         md: StepMetadata = metadata  # type: ignore[assignment]
         self.check_forward_args(query, key, value, md.num_tokens, output)
         self.check_cache(kv_cache, query.device, metadata)
+        out = self.new_output(query, output)
+        if md.num_tokens == 0:
+            return out
         if key is not None:
             self.write_kv(key, value, kv_cache, metadata)
-        out = self.new_output(query, output)
         self.attend(query, kv_cache, metadata, out)
         return out
 

@@ -205,8 +205,9 @@ def test_a_copy_along_the_wrong_axis_is_named(suite):
 
 def test_writing_one_slot_off_is_named_by_the_cache_check(suite):
     _, _, cells = suite
+    # every scenario but the one without token rows (nothing to write)
     assert _failed(cells, "broken_write_offset") == {
-        s for (b, s) in cells if b == "broken_write_offset"
+        s for (b, s) in cells if b == "broken_write_offset" and s != "empty-step"
     }
     failures = cells[("broken_write_offset", "prefill")]["failures"]
     cache = [f for f in failures if f["check"] == "cache" and f["tensor"] == "K"]

@@ -116,6 +116,26 @@ def test_forward_checks_the_cache_through_the_layout():
         impl.forward(*_inputs(3), half, md)
 
 
+def test_a_step_of_no_token_rows_writes_and_attends_nothing():
+    # a kernel launcher may reject zero rows (JAX's Pallas raised from inside its gather):
+    # the shared forward never asks one for them, and still checks its arguments
+    class Refuses(type(TorchBackend().make_impl(SPEC))):
+        def attend(self, *args):
+            raise AssertionError("attend was called with zero rows")
+
+        def write_kv(self, *args):
+            raise AssertionError("write_kv was called with zero rows")
+
+    backend = TorchBackend()
+    impl = Refuses(SPEC, cache_layout=backend.make_impl(SPEC).cache_layout)
+    md = backend.make_builder(SPEC, "cpu").build(_step([0], [0], [[]]))
+    cache = backend.allocate_kv_cache(2, SPEC, "cpu")
+    out = impl.forward(*_inputs(0), cache, md)
+    assert tuple(out.shape) == (0, 4, 16)
+    with pytest.raises(UnsupportedError, match="query: expected shape \\[0, 4, 16\\]"):
+        impl.forward(*_inputs(1), cache, md)
+
+
 def test_parts_must_implement_their_method():
     class NoAttend(AttentionImpl[Any]):
         pass
