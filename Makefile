@@ -40,7 +40,7 @@ test-conformance: $(STAMP)
 		./examples/plugin_template
 	PYTHONPATH=build/plugin-template TRITON_INTERPRET=1 $(PY) -m pytest -q conformance --conformance-level quick \
 		--backend torch --backend triton --backend pallas --backend mla --backend my_backend \
-		--conformance-models
+		--conformance-fuzz 10 --conformance-models
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

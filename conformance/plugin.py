@@ -106,6 +106,18 @@ OPTIONS = (
         ),
     ),
     Option(
+        "--pagedkv-fuzz",
+        ("--conformance-fuzz",),
+        dict(
+            dest="pagedkv_fuzz",
+            type=int,
+            default=0,
+            metavar="N",
+            help="Also check N scenarios drawn at random within each backend's declared "
+            "capabilities, a failure shrunk to a small one (needs hypothesis). Default: 0.",
+        ),
+    ),
+    Option(
         "--pagedkv-models",
         ("--conformance-models",),
         dict(

@@ -53,6 +53,31 @@ def test_copy_blocks(conformance_target: Target, conformance_run: ConformanceRun
     _fail(conformance_run.record(CheckResult("copy_blocks", conformance_target.label, problems)))
 
 
+def test_fuzz(
+    conformance_target: Target, conformance_run: ConformanceRun, request: pytest.FixtureRequest
+) -> None:
+    """--conformance-fuzz N: N scenarios drawn within the declared capabilities, each
+    against the reference; a failure is shrunk to a small scenario (its repro shown)."""
+    examples = request.config.getoption("pagedkv_fuzz")
+    if not examples:
+        pytest.skip("drawn scenarios run with --conformance-fuzz N")
+    base = conformance_run.plan(conformance_target).base
+    if base is None:
+        pytest.skip("no base layer (see test_scenario_plan)")
+    pytest.importorskip("hypothesis", reason='needs hypothesis: pip install "pagedkv[conformance]"')
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    assert conformance_target.backend is not None
+    problems = fuzz_problems(
+        conformance_target.backend,
+        conformance_target.label,
+        base,
+        conformance_run.device,
+        examples,
+    )
+    _fail(conformance_run.record(CheckResult("fuzz", conformance_target.label, problems)))
+
+
 def test_scenario(conformance_case: tuple, conformance_run: ConformanceRun) -> None:
     """Output vs the float64 reference, and the cache after writing. An unavailable
     backend's single case gets here only when it fails the run (see

@@ -37,6 +37,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="Skip a requested backend that is unavailable here instead of failing (for "
         "matrix jobs).",
     )
+    parser.add_argument(
+        "--fuzz",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Also check N scenarios drawn at random within each backend's declared "
+        "capabilities; a failure is shrunk to a small scenario, shown with its repro.",
+    )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="Only tests matching EXPR.")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="Stop at the first failure.")
     parser.add_argument(
@@ -98,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         argv += ["--pagedkv-device", args.device]
     if args.allow_unavailable:
         argv.append("--pagedkv-allow-unavailable")
+    if args.fuzz:
+        argv += ["--pagedkv-fuzz", str(args.fuzz)]
     if args.keyword:
         argv += ["-k", args.keyword]
     if args.exitfirst:

@@ -1,0 +1,73 @@
+"""Drawn scenarios (``--conformance-fuzz N``): a bug no listed scenario reaches is found
+and shrunk to a small scenario with its reproduction."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from pagedkv.backends.torch import TorchBackend
+from pagedkv.backends.torch.impl import TorchAttentionImpl
+from pagedkv.conformance import Scenario, run_scenario
+from pagedkv.conformance.design import design_scenarios
+
+pytest.importorskip("hypothesis")
+
+
+class _AdjacentEmptyImpl(TorchAttentionImpl):
+    """Wrong when two neighbouring requests schedule no query token (a request lookup
+    that steps past one empty request, not two): every output row is zeroed."""
+
+    def attend(self, query, kv_cache, metadata, output):
+        super().attend(query, kv_cache, metadata, output)
+        query_lens = metadata.common.query_start_loc_cpu.diff().tolist()
+        if any(a == b == 0 for a, b in itertools.pairwise(query_lens)):
+            output.zero_()
+
+
+class _AdjacentEmptyBackend(TorchBackend):
+    name = "adjacent_empty"
+
+    def get_impl_cls(self):
+        return _AdjacentEmptyImpl
+
+
+def test_drawn_scenarios_find_what_the_listed_ones_miss_and_shrink_it():
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    backend = _AdjacentEmptyBackend()
+    plan = design_scenarios(backend, "quick", "cpu")
+    assert plan.base is not None
+    # every listed scenario passes: none has two empty requests side by side
+    for scenario in plan.scenarios:
+        assert run_scenario(backend, scenario, "cpu").passed, scenario.name
+    problems = fuzz_problems(backend, "adjacent_empty", plan.base, "cpu", examples=120)
+    assert problems and problems[0].startswith("a drawn scenario fails: Scenario('fuzz'")
+    shrunk = eval(problems[0].split(": ", 1)[1], {"Scenario": Scenario, "torch": torch})
+    lens = shrunk.query_lens
+    assert any(a == b == 0 for a, b in itertools.pairwise(lens))
+    assert sum(lens) > 0 and len(lens) <= 3  # small: hypothesis shrank it
+    assert "reproduce:" in "\n".join(problems)
+
+
+def test_a_correct_backend_passes_the_drawn_scenarios():
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    backend = TorchBackend()
+    base = design_scenarios(backend, "quick", "cpu").base
+    assert fuzz_problems(backend, "torch", base, "cpu", examples=25) == []
+
+
+def test_a_backend_that_refuses_every_drawn_layer_is_named():
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    class RefusesAll(TorchBackend):
+        name = "refuses_all"
+
+        def validate(self, spec, device=None):
+            return ["nothing here"]
+
+    base = Scenario("base", seq_lens=(5,), query_lens=(5,), dtype=torch.float32)
+    problems = fuzz_problems(RefusesAll(), "refuses_all", base, "cpu", examples=5)
+    assert problems and "validate() refused every drawn scenario" in problems[0]
