@@ -71,3 +71,14 @@ def test_a_backend_that_refuses_every_drawn_layer_is_named():
     base = Scenario("base", seq_lens=(5,), query_lens=(5,), dtype=torch.float32)
     problems = fuzz_problems(RefusesAll(), "refuses_all", base, "cpu", examples=5)
     assert problems and "validate() refused every drawn scenario" in problems[0]
+
+
+def test_pagedkv_conform_draws_scenarios_with_fuzz(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pagedkv.cli", "conform", "--backend", "torch",
+           "--device", "cpu", "--fuzz", "3", "-k", "fuzz"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pass fuzz torch" in proc.stderr
