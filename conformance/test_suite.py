@@ -59,6 +59,8 @@ def test_fuzz(
     """--conformance-fuzz N: N scenarios drawn within the declared capabilities, each
     against the reference; a failure is shrunk to a small scenario (its repro shown)."""
     examples = request.config.getoption("pagedkv_fuzz")
+    if examples < 0:
+        raise pytest.UsageError(f"--conformance-fuzz N: N is a number of scenarios, got {examples}")
     if not examples:
         pytest.skip("drawn scenarios run with --conformance-fuzz N")
     base = conformance_run.plan(conformance_target).base

@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fuzz",
-        type=int,
+        type=_count,
         default=0,
         metavar="N",
         help="Also check N scenarios drawn at random within each backend's declared "
@@ -55,6 +55,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "shards) into --report PATH and print the matrix; exit 1 if any cell or check failed.",
     )
     return parser
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of scenarios is >= 0, got {value}")
+    return value
 
 
 # exit status when the suite cannot start: pytest missing, an unknown backend, a
