@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fuzz",
-        type=_count,
+        type=scenario_count,
         default=0,
         metavar="N",
         help="Also check N scenarios drawn at random within each backend's declared "
@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _count(text: str) -> int:
+def scenario_count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"a number of scenarios is >= 0, got {value}")
