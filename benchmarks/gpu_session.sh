@@ -147,14 +147,14 @@ for section in "$@"; do
     convert-all)
       convert_all
       ;;
-    fuzz)  # drawn scenarios (docs/conformance.md), FUZZ a backend (default 100), each
-      # installed backend in its own process
+    fuzz)  # drawn scenarios (docs/conformance.md), FUZZ a backend (default 100) with
+      # seed FUZZ_SEED (default 0), each installed backend in its own process
       backends=(torch triton pallas mla)
       $PY -c "import flashinfer" 2>/dev/null && backends+=(flashinfer)
       $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(flash_attn)
       for backend in "${backends[@]}"; do
         run "fuzz-$backend" $PY -m pytest -q -p no:cacheprovider conformance --backend "$backend" \
-          --device cuda --conformance-fuzz "${FUZZ:-100}" -k fuzz &
+          --device cuda --conformance-fuzz "${FUZZ:-100}" --conformance-fuzz-seed "${FUZZ_SEED:-0}" -k fuzz &
       done
       wait
       ;;

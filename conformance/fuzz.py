@@ -145,5 +145,6 @@ def fuzz_problems(
         return [
             f"a drawn scenario fails: {failed.result.scenario.repro()}",
             *failed.result.report().splitlines()[1:],
+            f"(drawn with seed {seed}, among {examples} scenarios: --conformance-fuzz-seed {seed})",
         ]
     return []

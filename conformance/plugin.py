@@ -118,6 +118,18 @@ OPTIONS = (
         ),
     ),
     Option(
+        "--pagedkv-fuzz-seed",
+        ("--conformance-fuzz-seed",),
+        dict(
+            dest="pagedkv_fuzz_seed",
+            type=int,
+            default=0,
+            metavar="S",
+            help="The seed of the drawn scenarios: the same seed draws the same scenarios; "
+            "vary it (e.g. per nightly run) to reach new ones. Default: 0.",
+        ),
+    ),
+    Option(
         "--pagedkv-models",
         ("--conformance-models",),
         dict(

@@ -63,6 +63,7 @@ def test_fuzz(
         raise pytest.UsageError(f"--conformance-fuzz N: N is a number of scenarios, got {examples}")
     if not examples:
         pytest.skip("drawn scenarios run with --conformance-fuzz N")
+    seed = request.config.getoption("pagedkv_fuzz_seed")
     base = conformance_run.plan(conformance_target).base
     if base is None:
         pytest.skip("no base layer (see test_scenario_plan)")
@@ -76,8 +77,10 @@ def test_fuzz(
         base,
         conformance_run.device,
         examples,
+        seed=seed,
     )
-    _fail(conformance_run.record(CheckResult("fuzz", conformance_target.label, problems)))
+    detail = {"examples": examples, "seed": seed}
+    _fail(conformance_run.record(CheckResult("fuzz", conformance_target.label, problems, detail)))
 
 
 def test_scenario(conformance_case: tuple, conformance_run: ConformanceRun) -> None:

@@ -4,6 +4,7 @@ and shrunk to a small scenario with its reproduction."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -73,12 +74,48 @@ def test_a_backend_that_refuses_every_drawn_layer_is_named():
     assert problems and "validate() refused every drawn scenario" in problems[0]
 
 
+def test_the_seed_fixes_the_draw_and_another_seed_draws_others(monkeypatch):
+    from pagedkv.conformance import fuzz
+
+    backend = TorchBackend()
+    base = design_scenarios(backend, "quick", "cpu").base
+    drawn: list[Scenario] = []
+
+    def record(backend, scenario, device, backend_label):
+        drawn.append(scenario)
+        return run_scenario(backend, scenario.replace(seq_lens=(1,), query_lens=(1,)), device)
+
+    monkeypatch.setattr(fuzz, "run_scenario", record)
+
+    def draw(seed: int) -> list[Scenario]:
+        drawn.clear()
+        assert fuzz.fuzz_problems(backend, "torch", base, "cpu", examples=6, seed=seed) == []
+        return list(drawn)
+
+    first = draw(3)
+    assert len(first) == 6 and draw(3) == first
+    assert draw(4) != first
+
+
+def test_a_failure_names_its_seed():
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    backend = _AdjacentEmptyBackend()
+    base = design_scenarios(backend, "quick", "cpu").base
+    problems = fuzz_problems(backend, "adjacent_empty", base, "cpu", examples=120, seed=5)
+    assert problems[-1].startswith("(drawn with seed 5, among 120 scenarios")
+
+
 def test_pagedkv_conform_draws_scenarios_with_fuzz(tmp_path):
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "pagedkv.cli", "conform", "--backend", "torch",
-           "--device", "cpu", "--fuzz", "3", "-k", "fuzz"]  # fmt: skip
+           "--device", "cpu", "--fuzz", "3", "--fuzz-seed", "11", "-k", "fuzz",
+           "--report", str(tmp_path / "run")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pass fuzz torch" in proc.stderr
+    report = json.loads((tmp_path / "run.json").read_text())
+    (check,) = [c for c in report["checks"] if c["check"] == "fuzz"]
+    assert (check["examples"], check["seed"]) == (3, 11)

@@ -45,6 +45,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="Also check N scenarios drawn at random within each backend's declared "
         "capabilities; a failure is shrunk to a small scenario, shown with its repro.",
     )
+    parser.add_argument(
+        "--fuzz-seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="The drawn scenarios' seed (default 0): the same seed draws the same scenarios.",
+    )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="Only tests matching EXPR.")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="Stop at the first failure.")
     parser.add_argument(
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.allow_unavailable:
         argv.append("--pagedkv-allow-unavailable")
     if args.fuzz:
-        argv += ["--pagedkv-fuzz", str(args.fuzz)]
+        argv += ["--pagedkv-fuzz", str(args.fuzz), "--pagedkv-fuzz-seed", str(args.fuzz_seed)]
     if args.keyword:
         argv += ["-k", args.keyword]
     if args.exitfirst:
