@@ -46,6 +46,7 @@ __all__ = [
     "compare_outputs",
     "design_scenarios",
     "reproduce",
+    "reproduce_graph",
     "run_scenario",
 ]
 
@@ -71,3 +72,32 @@ def reproduce(
     if not quiet:
         print(result.report())
     return result
+
+
+def reproduce_graph(
+    backend: str,
+    steps: list[Scenario],
+    device: str | None = None,
+    *,
+    slack: int = 0,
+    quiet: bool = False,
+) -> list[ScenarioResult]:
+    """Replay ``steps`` (scenarios of one layer) through a registered backend in one
+    CUDA-graph reservation that holds them all, each bound ``slack`` above their
+    largest: the first step captured (on a CPU, its metadata object called again as a
+    replay would), each later one built into the same buffers and replayed; print each
+    step's verdict (unless ``quiet``)."""
+    import torch
+    from pagedkv.conformance.graphs import replay_steps
+    from pagedkv.registry import get_registry
+    from pagedkv.selection import parse_config
+
+    choice = parse_config(backend)[0]
+    impl = get_registry().create(choice.name, **choice.options)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mode, results = replay_steps(impl, steps, device, slack=slack, label=backend)
+    if not quiet:
+        print(f"{mode}:")
+        for result in results:
+            print(result.report())
+    return results

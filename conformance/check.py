@@ -70,6 +70,9 @@ class ScenarioResult:
     duration_s: float = 0.0
     error: str | None = None  # the traceback when a backend call raised
     debug: Debug | None = None
+    # the shell line that reruns this result where rerunning the scenario alone would
+    # not (a step replayed in a CUDA-graph reservation)
+    reproduce_with: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -93,6 +96,8 @@ class ScenarioResult:
 
     def reproduction(self) -> str:
         """One shell line that reruns this scenario alone and prints the verdict."""
+        if self.reproduce_with is not None:
+            return self.reproduce_with
         device = "" if self.device == "cpu" else f", device={self.device!r}"
         return (
             'python -c "import torch; from pagedkv.conformance import Scenario, reproduce; '

@@ -16,11 +16,14 @@ step fails it too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import traceback
+from collections.abc import Callable, Sequence
 
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.check import ScenarioResult, _check_output, _context_rows
+from pagedkv.conformance.failure import Failure, describe_exception
 from pagedkv.conformance.problem import PagedProblem, build_problem, poison_cache
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.graph import GraphBounds, GraphSupport
@@ -59,13 +62,34 @@ def graph_steps(base: Scenario, support: GraphSupport) -> list[tuple[Scenario, S
     return [mixed, decodes]
 
 
-def _bounds(a: PagedProblem, b: PagedProblem) -> GraphBounds:
-    steps = (a.scenario, b.scenario)
+def reservation(problems: Sequence[PagedProblem], slack: int = 0) -> GraphBounds:
+    """Bounds that hold every step of ``problems``, each bound ``slack`` above the
+    steps' largest (the token bound 2 + ``slack``: rows past every step), but the
+    query bound of decode steps."""
+    steps = [p.scenario for p in problems]
+    block_size = problems[0].spec.block_size
+    longest_query = max(q for s in steps for q in s.query_lens)
     return GraphBounds(
-        max_num_reqs=max(len(s.seq_lens) for s in steps),
-        max_num_tokens=max(s.num_tokens for s in steps) + 2,  # rows past every step
-        max_blocks_per_req=max(cdiv(n, a.spec.block_size) for s in steps for n in s.seq_lens) + 1,
-        max_query_len=max(q for s in steps for q in s.query_lens),
+        max_num_reqs=max(len(s.seq_lens) for s in steps) + slack,
+        max_num_tokens=max(s.num_tokens for s in steps) + 2 + slack,
+        max_blocks_per_req=max(cdiv(n, block_size) for s in steps for n in s.seq_lens) + 1 + slack,
+        # a decode reservation (every query <= 1) stays one: a pure_decode backend's
+        max_query_len=1 if longest_query <= 1 else longest_query + slack,
+    )
+
+
+def graph_reproduction(
+    backend_label: str, scenarios: Sequence[Scenario], device: str, slack: int = 0
+) -> str:
+    """One shell line that replays ``scenarios`` in one reservation and prints the
+    verdicts (``pagedkv.conformance.reproduce_graph``)."""
+    steps = ", ".join(s.repro() for s in scenarios)
+    extra = ("" if device == "cpu" else f", device={device!r}") + (
+        f", slack={slack}" if slack else ""
+    )
+    return (
+        'python -c "import torch; from pagedkv.conformance import Scenario, reproduce_graph; '
+        f'reproduce_graph({backend_label!r}, [{steps}]{extra})"'
     )
 
 
@@ -77,39 +101,55 @@ def _write_context(impl, builder, cache: torch.Tensor, problem: PagedProblem) ->
 
 
 def graph_replay_results(
-    backend: AttentionBackend, base: Scenario, device: str
+    backend: AttentionBackend, base: Scenario, device: str, label: str | None = None
 ) -> tuple[str, list[ScenarioResult]]:
     """(mode, [result of step A, result of step B, ...]: every pair of ``graph_steps``);
     mode is "cuda graph" or "emulated replay (cpu)"."""
     mode, results = "", []
-    for scenario_a, scenario_b in graph_steps(base, backend.capabilities.graph_support):
-        mode, pair = _replay_pair(backend, scenario_a, scenario_b, device)
-        results += pair
+    for steps in graph_steps(base, backend.capabilities.graph_support):
+        mode, replayed = replay_steps(backend, steps, device, label=label)
+        results += replayed
     return mode, results
 
 
-def _replay_pair(
-    backend: AttentionBackend, scenario_a: Scenario, scenario_b: Scenario, device: str
+def replay_steps(
+    backend: AttentionBackend,
+    scenarios: Sequence[Scenario],
+    device: str,
+    *,
+    slack: int = 0,
+    label: str | None = None,
 ) -> tuple[str, list[ScenarioResult]]:
-    """Capture A in its reservation, replay A, then B built into A's buffers."""
-    a, b = build_problem(scenario_a, device), build_problem(scenario_b, device)
-    b.sinks = a.sinks  # one impl, one set of sink logits
-    spec = a.spec
-    bounds = _bounds(a, b)
-    cache = backend.allocate_kv_cache(max(a.num_blocks, b.num_blocks), spec, device)
-    impl = backend.make_impl(spec, sinks=a.sinks)
+    """Capture the first of ``scenarios`` (steps of one layer) in a reservation that
+    holds them all (``reservation``), replay it, then build each later step into the
+    same buffers and replay; a result per step. A step that raises is a failure of
+    that step, and the steps after it do not run."""
+    label = label or repr(backend)
+    problems = [build_problem(s, device) for s in scenarios]
+    first = problems[0]
+    for problem in problems[1:]:
+        problem.sinks = first.sinks  # one impl, one set of sink logits
+    spec = first.spec
+    bounds = reservation(problems, slack)
+    reproduction = graph_reproduction(label, scenarios, device, slack)
+    cache = backend.allocate_kv_cache(max(p.num_blocks for p in problems), spec, device)
+    impl = backend.make_impl(spec, sinks=first.sinks)
     eager_builder = backend.make_builder(spec, device)
     builder = backend.make_builder(spec, device)
     builder.reserve_cuda_graph(bounds)
     rows = bounds.max_num_tokens
-    q = torch.zeros(rows, *a.query.shape[1:], dtype=a.query.dtype, device=device)
-    k = torch.zeros(rows, *a.new_key.shape[1:], dtype=a.new_key.dtype, device=device)
+    q = torch.zeros(rows, *first.query.shape[1:], dtype=first.query.dtype, device=device)
+    k = torch.zeros(rows, *first.new_key.shape[1:], dtype=first.new_key.dtype, device=device)
     v = (
         None
-        if a.new_value is None
-        else torch.zeros(rows, *a.new_value.shape[1:], dtype=a.new_value.dtype, device=device)
+        if first.new_value is None
+        else torch.zeros(
+            rows, *first.new_value.shape[1:], dtype=first.new_value.dtype, device=device
+        )
     )
     out = torch.zeros(rows, spec.num_heads, spec.head_size_v, dtype=spec.dtype, device=device)
+    cuda = torch.device(device).type == "cuda"
+    mode = "cuda graph" if cuda else "emulated replay (cpu)"
 
     def load(problem: PagedProblem) -> None:
         n = problem.common.num_tokens
@@ -118,36 +158,42 @@ def _replay_pair(
         if v is not None:
             v[:n].copy_(problem.new_value)
 
-    poison_cache(backend, cache, a)
-    _write_context(impl, eager_builder, cache, a)
-    metadata_a = builder.build(a.common)
-    load(a)
-    replay: Callable[[], object]
-    if torch.device(device).type == "cuda":
-        mode = "cuda graph"
-        impl.forward(q, k, v, cache, metadata_a, out)  # compile outside the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            impl.forward(q, k, v, cache, metadata_a, out)
-        replay = graph.replay
-    else:
-        mode = "emulated replay (cpu)"
-
-        def replay() -> None:
-            impl.forward(q, k, v, cache, metadata_a, out)
-
     results = []
-    for problem in (a, b):
-        if problem is b:
-            poison_cache(backend, cache, b)
-            _write_context(impl, eager_builder, cache, b)
-            builder.build(b.common)  # into the buffers metadata_a reads
-            load(b)
-        replay()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-        result = ScenarioResult(repr(backend), problem.scenario, device=str(device))
-        _check_output(result, problem, out[: problem.common.num_tokens].clone())
+    replay: Callable[[], object] | None = None
+    for problem in problems:
+        result = ScenarioResult(label, problem.scenario, device=str(device))
+        result.reproduce_with = reproduction
         results.append(result)
+        try:
+            poison_cache(backend, cache, problem)
+            _write_context(impl, eager_builder, cache, problem)
+            if replay is None:  # the first step: captured
+                metadata = builder.build(problem.common)
+                load(problem)
+                forward = functools.partial(impl.forward, q, k, v, cache, metadata, out)
+                replay = _capture(forward) if cuda else forward
+            else:
+                builder.build(problem.common)  # into the buffers the captured step reads
+                load(problem)
+            replay()
+            if cuda:
+                torch.cuda.synchronize(device)
+        except Exception as exc:
+            stage = "the captured step" if problem is first else "a replay"
+            result.failures.append(
+                Failure("raised", f"{stage} raised {describe_exception(exc)}", {"call": stage})
+            )
+            result.error = "".join(traceback.format_exception(exc)[-6:])
+            break
+        _check_output(result, problem, out[: problem.common.num_tokens].clone())
     return mode, results
+
+
+def _capture(forward: Callable[[], object]) -> Callable[[], object]:
+    """``forward`` captured into a CUDA graph (compiled by a first call outside it)."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pagedkv.conformance.run import ConformanceRun, Target
+    from pagedkv.conformance.run import CheckResult, ConformanceRun, Target
 
 RUN_KEY = pytest.StashKey["ConformanceRun"]()
 # short names the command line used but another plugin or conftest owns
@@ -114,7 +114,8 @@ OPTIONS = (
             default=0,
             metavar="N",
             help="Also check N scenarios drawn at random within each backend's declared "
-            "capabilities, a failure shrunk to a small one (needs hypothesis). Default: 0.",
+            "capabilities, and N CUDA-graph reservations of drawn steps where it declares "
+            "graph support; a failure is shrunk to a small one (needs hypothesis). Default: 0.",
         ),
     ),
     Option(
@@ -193,6 +194,26 @@ def _option_names(parser: pytest.Parser) -> set[str]:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("pagedkv_backends") or config.getoption("pagedkv_device"):
         _resolve_or_usage_error(get_run(config))  # the user asked for conformance: fail fast
+
+
+def fail_check(check: CheckResult) -> None:
+    """Fail the calling test with a check's problems, if it has any."""
+    if check.problems:
+        lines = [f"[{check.subject}] {check.name}: FAIL", *(f"  - {p}" for p in check.problems)]
+        pytest.fail("\n".join(lines), pytrace=False)
+
+
+def fuzz_draws(config: pytest.Config) -> tuple[int, int]:
+    """(how many, seed) of the drawn checks' values (``--conformance-fuzz N``,
+    ``--conformance-fuzz-seed S``); skips the calling test when N is 0 or hypothesis
+    is missing, a usage error when N is negative."""
+    examples = config.getoption("pagedkv_fuzz")
+    if examples < 0:
+        raise pytest.UsageError(f"--conformance-fuzz N: N is a number of scenarios, got {examples}")
+    if not examples:
+        pytest.skip("drawn scenarios run with --conformance-fuzz N")
+    pytest.importorskip("hypothesis", reason='needs hypothesis: pip install "pagedkv[conformance]"')
+    return examples, config.getoption("pagedkv_fuzz_seed")
 
 
 def get_run(config: pytest.Config) -> ConformanceRun:

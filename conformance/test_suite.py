@@ -10,13 +10,8 @@ from __future__ import annotations
 import pytest
 from pagedkv.conformance.cache import check_copy_blocks
 from pagedkv.conformance.honesty import capability_problems
+from pagedkv.conformance.plugin import fail_check, fuzz_draws
 from pagedkv.conformance.run import CheckResult, ConformanceRun, Target
-
-
-def _fail(check: CheckResult) -> None:
-    if check.problems:
-        lines = [f"[{check.subject}] {check.name}: FAIL", *(f"  - {p}" for p in check.problems)]
-        pytest.fail("\n".join(lines), pytrace=False)
 
 
 def test_scenario_plan(conformance_target: Target, conformance_run: ConformanceRun) -> None:
@@ -25,7 +20,7 @@ def test_scenario_plan(conformance_target: Target, conformance_run: ConformanceR
     check = conformance_run.record(
         CheckResult("scenario-plan", conformance_target.label, list(plan.problems))
     )
-    _fail(check)
+    fail_check(check)
 
 
 def test_capabilities_are_honest(
@@ -40,7 +35,9 @@ def test_capabilities_are_honest(
     problems = capability_problems(
         conformance_target.backend, conformance_target.label, base.spec()
     )
-    _fail(conformance_run.record(CheckResult("capabilities", conformance_target.label, problems)))
+    fail_check(
+        conformance_run.record(CheckResult("capabilities", conformance_target.label, problems))
+    )
 
 
 def test_copy_blocks(conformance_target: Target, conformance_run: ConformanceRun) -> None:
@@ -50,7 +47,9 @@ def test_copy_blocks(conformance_target: Target, conformance_run: ConformanceRun
         pytest.skip("no base layer (see test_scenario_plan)")
     assert conformance_target.backend is not None
     problems = check_copy_blocks(conformance_target.backend, base.spec(), conformance_run.device)
-    _fail(conformance_run.record(CheckResult("copy_blocks", conformance_target.label, problems)))
+    fail_check(
+        conformance_run.record(CheckResult("copy_blocks", conformance_target.label, problems))
+    )
 
 
 def test_fuzz(
@@ -58,16 +57,10 @@ def test_fuzz(
 ) -> None:
     """--conformance-fuzz N: N scenarios drawn within the declared capabilities, each
     against the reference; a failure is shrunk to a small scenario (its repro shown)."""
-    examples = request.config.getoption("pagedkv_fuzz")
-    if examples < 0:
-        raise pytest.UsageError(f"--conformance-fuzz N: N is a number of scenarios, got {examples}")
-    if not examples:
-        pytest.skip("drawn scenarios run with --conformance-fuzz N")
-    seed = request.config.getoption("pagedkv_fuzz_seed")
+    examples, seed = fuzz_draws(request.config)
     base = conformance_run.plan(conformance_target).base
     if base is None:
         pytest.skip("no base layer (see test_scenario_plan)")
-    pytest.importorskip("hypothesis", reason='needs hypothesis: pip install "pagedkv[conformance]"')
     from pagedkv.conformance.fuzz import fuzz_problems
 
     assert conformance_target.backend is not None
@@ -80,7 +73,9 @@ def test_fuzz(
         seed=seed,
     )
     detail = {"examples": examples, "seed": seed}
-    _fail(conformance_run.record(CheckResult("fuzz", conformance_target.label, problems, detail)))
+    fail_check(
+        conformance_run.record(CheckResult("fuzz", conformance_target.label, problems, detail))
+    )
 
 
 def test_scenario(conformance_case: tuple, conformance_run: ConformanceRun) -> None:
@@ -108,4 +103,4 @@ def test_cross_backend(conformance_cross: str, conformance_run: ConformanceRun) 
             f"fewer than two backends passed {conformance_cross} "
             f"(not compared: {', '.join(check.detail['skipped']) or 'none'})"
         )
-    _fail(check)
+    fail_check(check)

@@ -3,15 +3,19 @@ and shrunk to a small scenario with its reproduction."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
 import pytest
 import torch
+from pagedkv.backend import BackendMetadata
 from pagedkv.backends.torch import TorchBackend
+from pagedkv.backends.torch.builder import TorchMetadataBuilder
 from pagedkv.backends.torch.impl import TorchAttentionImpl
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.conformance.design import design_scenarios
+from pagedkv.graph import GraphSupport
 
 pytest.importorskip("hypothesis")
 
@@ -104,6 +108,75 @@ def test_a_failure_names_its_seed():
     base = design_scenarios(backend, "quick", "cpu").base
     problems = fuzz_problems(backend, "adjacent_empty", base, "cpu", examples=120, seed=5)
     assert problems[-1].startswith("(drawn with seed 5, among 120 scenarios")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay(BackendMetadata):
+    """The torch impl's lengths read from the reserved device buffers at each call, as
+    a replay reads them, up to ``live`` requests."""
+
+    live: int
+
+    @property
+    def query_starts(self):
+        return self.common.query_start_loc[: self.live + 1].tolist()
+
+    @property
+    def seq_lens(self):
+        return self.common.seq_lens[: self.live].tolist()
+
+
+class _ReplayBuilder(TorchMetadataBuilder):
+    def build_metadata(self, common, **overrides):
+        return _Replay(common, common.num_reqs)
+
+
+class _CapturedCountBuilder(TorchMetadataBuilder):
+    """Wrong in a replay whose step has more requests with keys than the captured one:
+    it keeps the captured step's count (past its last request with keys)."""
+
+    def build_metadata(self, common, **overrides):
+        seq_lens = common.seq_lens_cpu.tolist()
+        live = max((i + 1 for i, n in enumerate(seq_lens) if n), default=0)
+        return _Replay(common, live)
+
+
+def _graph_backend(name, builder):
+    capabilities = dataclasses.replace(TorchBackend.capabilities, cuda_graph=GraphSupport.MIXED)
+    attributes = dict(name=name, capabilities=capabilities, get_builder_cls=lambda self: builder)
+    return type(name, (TorchBackend,), attributes)()
+
+
+def test_drawn_reservations_replay_steps_the_listed_pairs_do_not():
+    from pagedkv.conformance.fuzz import fuzz_graph_problems
+    from pagedkv.conformance.graphs import graph_replay_results
+
+    sound = _graph_backend("replays", _ReplayBuilder)
+    base = design_scenarios(sound, "quick", "cpu").base
+    assert fuzz_graph_problems(sound, "replays", base, "cpu", examples=15) == []
+
+    wrong = _graph_backend("captured_count", _CapturedCountBuilder)
+    # the listed pairs replay steps of fewer requests than the captured one: they pass
+    _, results = graph_replay_results(wrong, base, "cpu")
+    assert all(r.passed for r in results)
+    problems = fuzz_graph_problems(wrong, "captured_count", base, "cpu", examples=60, seed=2)
+    assert problems and problems[0].startswith("a drawn reservation fails (emulated replay")
+    assert "reproduce_graph('captured_count', [Scenario('graph-fuzz-a'" in "\n".join(problems)
+    assert problems[-1].startswith("(drawn with seed 2, among 60 reservations")
+
+
+def test_reproduce_graph_replays_steps_through_a_registered_backend(capsys):
+    from pagedkv.conformance import reproduce_graph
+
+    steps = [
+        Scenario("graph-fuzz-a", seq_lens=(0, 9), query_lens=(0, 1), dtype=torch.float32),
+        Scenario("graph-fuzz-b", seq_lens=(5, 17, 3), query_lens=(1, 1, 1), dtype=torch.float32),
+    ]
+    results = reproduce_graph("triton", steps, "cpu", slack=1)
+    assert [r.passed for r in results] == [True, True]
+    printed = capsys.readouterr().out
+    assert printed.startswith("emulated replay (cpu):")
+    assert "scenario graph-fuzz-b: PASS" in printed
 
 
 def test_pagedkv_conform_draws_scenarios_with_fuzz(tmp_path):

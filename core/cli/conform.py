@@ -43,7 +43,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="Also check N scenarios drawn at random within each backend's declared "
-        "capabilities; a failure is shrunk to a small scenario, shown with its repro.",
+        "capabilities, and N CUDA-graph reservations of drawn steps where it declares graph "
+        "support; a failure is shrunk to a small one, shown with its repro.",
     )
     parser.add_argument(
         "--fuzz-seed",
