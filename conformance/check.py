@@ -109,14 +109,19 @@ class _BackendRaised(Exception):
     """A backend call raised (already a failure line of the result): stop this scenario."""
 
 
+def record_raise(result: ScenarioResult, stage: str, exc: Exception) -> None:
+    """``stage`` raised ``exc``: a failure of ``result``, with the traceback's end."""
+    result.failures.append(
+        Failure("raised", f"{stage} raised {describe_exception(exc)}", {"call": stage})
+    )
+    result.error = "".join(traceback.format_exception(exc)[-6:])
+
+
 def _call(result: ScenarioResult, stage: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except Exception as exc:
-        result.failures.append(
-            Failure("raised", f"{stage} raised {describe_exception(exc)}", {"call": stage})
-        )
-        result.error = "".join(traceback.format_exception(exc)[-6:])
+        record_raise(result, stage, exc)
         raise _BackendRaised from exc
 
 

@@ -17,6 +17,7 @@ Needs hypothesis (``pip install "pagedkv[conformance]"``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -177,14 +178,15 @@ def fuzz_problems(
         result = run_scenario(backend, scenario, device, backend_label=label)
         return None if result.passed else result
 
-    failure = _smallest_failure(scenarios(base, backend), examples, seed, attempt)
-    if failure is _REFUSED:
+    outcome = _smallest_failure(scenarios(base, backend), examples, seed, attempt)
+    if outcome.refused:
         return [_refused_line(base)]
-    if failure is None:
+    if outcome.failure is None:
         return []
+    result = outcome.failure
     return [
-        f"a drawn scenario fails: {failure.scenario.repro()}",
-        *failure.report().splitlines()[1:],
+        f"a drawn scenario fails{outcome.flaky_note}: {result.scenario.repro()}",
+        *result.report().splitlines()[1:],
         _seed_line(seed, examples, "scenarios"),
     ]
 
@@ -211,21 +213,36 @@ def fuzz_graph_problems(
         failed = [r for r in results if not r.passed]
         return (mode, failed[0]) if failed else None
 
-    failure = _smallest_failure(reservations(base, backend), examples, seed, attempt)
-    if failure is _REFUSED:
+    outcome = _smallest_failure(reservations(base, backend), examples, seed, attempt)
+    if outcome.refused:
         return [_refused_line(base)]
-    if failure is None:
+    if outcome.failure is None:
         return []
-    mode, result = failure
+    mode, result = outcome.failure
     return [
-        f"a drawn reservation fails ({mode}) at its step {result.scenario.name}: "
-        f"{result.scenario.repro()}",
+        f"a drawn reservation fails{outcome.flaky_note} ({mode}) at its step "
+        f"{result.scenario.name}: {result.scenario.repro()}",
         *result.report().splitlines()[1:],
         _seed_line(seed, examples, "reservations"),
     ]
 
 
-_REFUSED = object()
+@dataclass
+class _Outcome:
+    """What a draw found: what the attempt returned for the smallest failing value
+    (None: every value passed), whether every value was refused, and whether the
+    failure was flaky (it passed when hypothesis ran the same value again: then the
+    failure is the first one seen, not shrunk)."""
+
+    failure: Any = None
+    refused: bool = False
+    flaky: bool = False
+
+    @property
+    def flaky_note(self) -> str:
+        if not self.flaky:
+            return ""
+        return " once and passed when run again (not deterministic; not shrunk)"
 
 
 def _refused_line(base: Scenario) -> str:
@@ -241,14 +258,15 @@ def _seed_line(seed: int, examples: int, what: str) -> str:
 
 def _smallest_failure(
     strategy: Any, examples: int, seed: int, attempt: Callable[[Any], Any]
-) -> Any:
+) -> _Outcome:
     """Draw ``examples`` values of ``strategy`` (seeded) and run ``attempt`` on each (it
-    rejects a value with hypothesis's ``assume``, returns None when the value passes);
-    what ``attempt`` returned for the smallest failing value hypothesis shrinks to,
-    None when all passed, ``_REFUSED`` when every drawn value was rejected."""
+    rejects a value with hypothesis's ``assume``, returns None when the value passes,
+    else what describes the failure); the ``_Outcome``."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
-    from hypothesis.errors import Unsatisfiable
+    from hypothesis.errors import Flaky, Unsatisfiable
+
+    seen: list[Any] = []  # every failure, in order: a flaky one is only here
 
     @fixed_seed(seed)
     @settings(
@@ -262,12 +280,17 @@ def _smallest_failure(
     def check(drawn: Any) -> None:
         failure = attempt(drawn)
         if failure is not None:
+            seen.append(failure)
             raise _Failed(failure)
 
     try:
         check()
     except Unsatisfiable:
-        return _REFUSED
+        return _Outcome(refused=True)
     except _Failed as failed:
-        return failed.failure
-    return None
+        return _Outcome(failed.failure)
+    except Flaky:
+        if not seen:
+            raise
+        return _Outcome(seen[0], flaky=True)
+    return _Outcome()

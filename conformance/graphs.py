@@ -17,13 +17,16 @@ step fails it too.
 from __future__ import annotations
 
 import functools
-import traceback
 from collections.abc import Callable, Sequence
 
 import torch
 from pagedkv.backend import AttentionBackend
-from pagedkv.conformance.check import ScenarioResult, _check_output, _context_rows
-from pagedkv.conformance.failure import Failure, describe_exception
+from pagedkv.conformance.check import (
+    ScenarioResult,
+    _check_output,
+    _context_rows,
+    record_raise,
+)
 from pagedkv.conformance.problem import PagedProblem, build_problem, poison_cache
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.graph import GraphBounds, GraphSupport
@@ -125,18 +128,29 @@ def replay_steps(
     same buffers and replay; a result per step. A step that raises is a failure of
     that step, and the steps after it do not run."""
     label = label or repr(backend)
-    problems = [build_problem(s, device) for s in scenarios]
-    first = problems[0]
-    for problem in problems[1:]:
-        problem.sinks = first.sinks  # one impl, one set of sink logits
-    spec = first.spec
-    bounds = reservation(problems, slack)
     reproduction = graph_reproduction(label, scenarios, device, slack)
-    cache = backend.allocate_kv_cache(max(p.num_blocks for p in problems), spec, device)
-    impl = backend.make_impl(spec, sinks=first.sinks)
-    eager_builder = backend.make_builder(spec, device)
-    builder = backend.make_builder(spec, device)
-    builder.reserve_cuda_graph(bounds)
+    cuda = torch.device(device).type == "cuda"
+    mode = "cuda graph" if cuda else "emulated replay (cpu)"
+    results = []
+    for scenario in scenarios:
+        result = ScenarioResult(label, scenario, device=str(device))
+        result.reproduce_with = reproduction
+        results.append(result)
+    try:
+        problems = [build_problem(s, device) for s in scenarios]
+        first = problems[0]
+        for problem in problems[1:]:
+            problem.sinks = first.sinks  # one impl, one set of sink logits
+        spec = first.spec
+        bounds = reservation(problems, slack)
+        cache = backend.allocate_kv_cache(max(p.num_blocks for p in problems), spec, device)
+        impl = backend.make_impl(spec, sinks=first.sinks)
+        eager_builder = backend.make_builder(spec, device)
+        builder = backend.make_builder(spec, device)
+        builder.reserve_cuda_graph(bounds)
+    except Exception as exc:
+        record_raise(results[0], "reserving the graph", exc)
+        return mode, results[:1]
     rows = bounds.max_num_tokens
     q = torch.zeros(rows, *first.query.shape[1:], dtype=first.query.dtype, device=device)
     k = torch.zeros(rows, *first.new_key.shape[1:], dtype=first.new_key.dtype, device=device)
@@ -148,8 +162,6 @@ def replay_steps(
         )
     )
     out = torch.zeros(rows, spec.num_heads, spec.head_size_v, dtype=spec.dtype, device=device)
-    cuda = torch.device(device).type == "cuda"
-    mode = "cuda graph" if cuda else "emulated replay (cpu)"
 
     def load(problem: PagedProblem) -> None:
         n = problem.common.num_tokens
@@ -158,12 +170,8 @@ def replay_steps(
         if v is not None:
             v[:n].copy_(problem.new_value)
 
-    results = []
     replay: Callable[[], object] | None = None
-    for problem in problems:
-        result = ScenarioResult(label, problem.scenario, device=str(device))
-        result.reproduce_with = reproduction
-        results.append(result)
+    for index, (problem, result) in enumerate(zip(problems, results, strict=True)):
         try:
             poison_cache(backend, cache, problem)
             _write_context(impl, eager_builder, cache, problem)
@@ -179,12 +187,8 @@ def replay_steps(
             if cuda:
                 torch.cuda.synchronize(device)
         except Exception as exc:
-            stage = "the captured step" if problem is first else "a replay"
-            result.failures.append(
-                Failure("raised", f"{stage} raised {describe_exception(exc)}", {"call": stage})
-            )
-            result.error = "".join(traceback.format_exception(exc)[-6:])
-            break
+            record_raise(result, "a replay" if index else "the captured step", exc)
+            return mode, results[: index + 1]
         _check_output(result, problem, out[: problem.common.num_tokens].clone())
     return mode, results
 

@@ -179,6 +179,51 @@ def test_reproduce_graph_replays_steps_through_a_registered_backend(capsys):
     assert "scenario graph-fuzz-b: PASS" in printed
 
 
+class _OnceWrongImpl(TorchAttentionImpl):
+    """Wrong on one call in the process (its fourth with query rows): a
+    nondeterministic backend."""
+
+    calls = 0
+
+    def attend(self, query, kv_cache, metadata, output):
+        super().attend(query, kv_cache, metadata, output)
+        if metadata.common.num_actual_tokens:
+            type(self).calls += 1
+            if type(self).calls == 4:
+                output.zero_()
+
+
+def test_a_failure_that_does_not_repeat_is_named_not_deterministic():
+    from pagedkv.conformance.fuzz import fuzz_problems
+
+    backend = type("once_wrong", (TorchBackend,), {"get_impl_cls": lambda self: _OnceWrongImpl})()
+    base = design_scenarios(TorchBackend(), "quick", "cpu").base
+    problems = fuzz_problems(backend, "once_wrong", base, "cpu", examples=20)
+    assert problems[0].startswith(
+        "a drawn scenario fails once and passed when run again (not deterministic; not shrunk)"
+    )
+
+
+def test_pagedkv_conform_prints_a_check_that_raised_inside_the_harness(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "boom_plugin.py").write_text(
+        "import pagedkv.conformance.fuzz as fuzz\n"
+        "def boom(*args, **kwargs):\n"
+        "    raise RuntimeError('boom in the harness')\n"
+        "fuzz.fuzz_problems = boom\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTEST_PLUGINS="boom_plugin")
+    cmd = [sys.executable, "-m", "pagedkv.cli", "conform", "--backend", "torch",
+           "--device", "cpu", "--fuzz", "2", "-k", "test_fuzz"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[fuzz torch] FAIL: the check itself raised:" in proc.stdout
+    assert "RuntimeError: boom in the harness" in proc.stdout
+
+
 def test_pagedkv_conform_draws_scenarios_with_fuzz(tmp_path):
     import subprocess
     import sys

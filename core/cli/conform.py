@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(sys.stderr)
     code = int(pytest.main(argv, plugins=[progress]))
     if progress.config is not None:
-        print_results(progress.config, sys.stdout)
+        print_results(progress.config, sys.stdout, progress.unrecorded)
     return code
 
 
@@ -146,6 +146,10 @@ class Progress:
         self.deselected = 0
         self.start = time.monotonic()
         self.config: Any = None
+        # failed tests that recorded no failing result or check (the harness itself
+        # raised): their pytest report, printed in full at the end
+        self.unrecorded: list[tuple[str, str]] = []
+        self._recorded_before = 0
 
     def pytest_configure(self, config: Any) -> None:
         self.config = config
@@ -163,7 +167,22 @@ class Progress:
             self._line(f"{self.total} tests selected, {self.deselected} deselected by -k")
         self.start = time.monotonic()  # the ETA counts the tests, not the collection
 
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self._recorded_before = self._failures_recorded()
+
+    def _failures_recorded(self) -> int:
+        from pagedkv.conformance.plugin import RUN_KEY
+
+        run = self.config.stash.get(RUN_KEY, None) if self.config is not None else None
+        if run is None:
+            return 0
+        return sum(not r.passed for r in run.results.values()) + sum(
+            not c.passed for c in run.checks
+        )
+
     def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.failed and self._failures_recorded() == self._recorded_before:
+            self.unrecorded.append((_short_name(report.nodeid), report.longreprtext))
         # one count per test: its call, or its setup when that skipped or failed
         if report.when != "call" and not (report.when == "setup" and not report.passed):
             return
@@ -216,8 +235,11 @@ def _short_name(nodeid: str) -> str:
     return f"{func.removeprefix('test_')} {param}".strip()
 
 
-def print_results(config: Any, out: TextIO) -> None:
-    """Failures in full, then the matrix and one summary line per backend."""
+def print_results(
+    config: Any, out: TextIO, unrecorded: list[tuple[str, str]] | None = None
+) -> None:
+    """Failures in full (``unrecorded``: (test, pytest's report) of failed tests that
+    recorded no result or check), then the matrix and one summary line per backend."""
     from pagedkv.conformance.plugin import RUN_KEY
     from pagedkv.conformance.report import matrix_rows, report_data, summary_lines
 
@@ -235,6 +257,8 @@ def print_results(config: Any, out: TextIO) -> None:
             print(f"[{check.subject}] {check.name}: FAIL", file=out)
             for problem in check.problems:
                 print(f"  - {problem}", file=out)
+    for name, text in unrecorded or ():
+        print(f"[{name}] FAIL: the check itself raised:\n{text}", file=out)
     data = report_data(run)
     print(file=out)
     print(format_table(*matrix_rows(data)), file=out)
