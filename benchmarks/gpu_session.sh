@@ -147,8 +147,9 @@ for section in "$@"; do
     convert-all)
       convert_all
       ;;
-    fuzz)  # drawn scenarios (docs/conformance.md), FUZZ a backend (default 100) with
-      # seed FUZZ_SEED (default 0), each installed backend in its own process
+    fuzz)  # drawn scenarios and CUDA-graph reservations (docs/conformance.md), FUZZ of
+      # each a backend (default 100) with seed FUZZ_SEED (default 0), each installed
+      # backend in its own process
       backends=(torch triton pallas mla)
       $PY -c "import flashinfer" 2>/dev/null && backends+=(flashinfer)
       $PY -c "import flash_attn.cute" 2>/dev/null && backends+=(flash_attn)
