@@ -80,11 +80,12 @@ def reproduce_graph(
     device: str | None = None,
     *,
     slack: int = 0,
+    max_context: int = 0,
     quiet: bool = False,
 ) -> list[ScenarioResult]:
     """Replay ``steps`` (scenarios of one layer) through a registered backend in one
     CUDA-graph reservation that holds them all, each bound ``slack`` above their
-    largest: the first step captured (on a CPU, its metadata object called again as a
+    largest, the block bound at least ``max_context`` keys: the first step captured (on a CPU, its metadata object called again as a
     replay would), each later one built into the same buffers and replayed; print each
     step's verdict (unless ``quiet``)."""
     import torch
@@ -95,7 +96,9 @@ def reproduce_graph(
     choice = parse_config(backend)[0]
     impl = get_registry().create(choice.name, **choice.options)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mode, results = replay_steps(impl, steps, device, slack=slack, label=backend)
+    mode, results = replay_steps(
+        impl, steps, device, slack=slack, max_context=max_context, label=backend
+    )
     if not quiet:
         print(f"{mode}:")
         for result in results:

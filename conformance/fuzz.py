@@ -133,16 +133,19 @@ def scenarios(base: Scenario, backend: AttentionBackend) -> Any:
 
 def reservations(base: Scenario, backend: AttentionBackend) -> Any:
     """The hypothesis strategy of CUDA-graph reservations around ``base``: (two or three
-    steps of one drawn layer, the bounds' slack above them). The steps are what the
-    backend's ``graph_support`` takes: decodes and empty requests under ``pure_decode``,
-    any batch under ``mixed``; the first is captured, the others replayed."""
+    steps of one drawn layer, the bounds' slack above them, the longest context they
+    are reserved for). The steps are what the backend's ``graph_support`` takes: decodes
+    and empty requests under ``pure_decode``, any batch under ``mixed``; the first is
+    captured, the others replayed. A reservation for a long context (4096 keys, as an
+    engine reserves for its model's) takes the plans a long step would, split ones
+    among them, and replays short steps in them."""
     from hypothesis import strategies as st
 
     mixed = backend.capabilities.graph_support is GraphSupport.MIXED
     kinds = _KINDS if mixed else ("decode", "empty")
 
     @st.composite
-    def draw(draw: Any) -> tuple[list[Scenario], int]:
+    def draw(draw: Any) -> tuple[list[Scenario], int, int]:
         b = draw(st.sampled_from(_block_sizes(base, backend)))
         layer = _layer(draw, base, backend, b)
         steps = [
@@ -156,7 +159,7 @@ def reservations(base: Scenario, backend: AttentionBackend) -> Any:
             )
             for i in range(draw(st.integers(2, 3)))
         ]
-        return steps, draw(st.integers(0, 3))
+        return steps, draw(st.integers(0, 3)), draw(st.sampled_from([0, 0, 4096]))
 
     return draw()
 
@@ -206,10 +209,12 @@ def fuzz_graph_problems(
     from hypothesis import assume
     from pagedkv.conformance.graphs import replay_steps
 
-    def attempt(drawn: tuple[list[Scenario], int]) -> tuple[str, ScenarioResult] | None:
-        steps, slack = drawn
+    def attempt(drawn: tuple[list[Scenario], int, int]) -> tuple[str, ScenarioResult] | None:
+        steps, slack, max_context = drawn
         assume(not any(scenario_problems(backend, s, device) for s in steps))
-        mode, results = replay_steps(backend, steps, device, slack=slack, label=label)
+        mode, results = replay_steps(
+            backend, steps, device, slack=slack, max_context=max_context, label=label
+        )
         failed = [r for r in results if not r.passed]
         return (mode, failed[0]) if failed else None
 

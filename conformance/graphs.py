@@ -65,31 +65,39 @@ def graph_steps(base: Scenario, support: GraphSupport) -> list[tuple[Scenario, S
     return [mixed, decodes]
 
 
-def reservation(problems: Sequence[PagedProblem], slack: int = 0) -> GraphBounds:
+def reservation(
+    problems: Sequence[PagedProblem], slack: int = 0, max_context: int = 0
+) -> GraphBounds:
     """Bounds that hold every step of ``problems``, each bound ``slack`` above the
     steps' largest (the token bound 2 + ``slack``: rows past every step), but the
-    query bound of decode steps."""
+    query bound of decode steps; the block bound holds at least ``max_context`` keys,
+    as an engine reserves its graphs for its model's longest context."""
     steps = [p.scenario for p in problems]
     block_size = problems[0].spec.block_size
     longest_query = max(q for s in steps for q in s.query_lens)
+    blocks = max(cdiv(n, block_size) for s in steps for n in s.seq_lens) + 1 + slack
     return GraphBounds(
         max_num_reqs=max(len(s.seq_lens) for s in steps) + slack,
         max_num_tokens=max(s.num_tokens for s in steps) + 2 + slack,
-        max_blocks_per_req=max(cdiv(n, block_size) for s in steps for n in s.seq_lens) + 1 + slack,
+        max_blocks_per_req=max(blocks, cdiv(max_context, block_size)),
         # a decode reservation (every query <= 1) stays one: a pure_decode backend's
         max_query_len=1 if longest_query <= 1 else longest_query + slack,
     )
 
 
 def graph_reproduction(
-    backend_label: str, scenarios: Sequence[Scenario], device: str, slack: int = 0
+    backend_label: str,
+    scenarios: Sequence[Scenario],
+    device: str,
+    slack: int = 0,
+    max_context: int = 0,
 ) -> str:
     """One shell line that replays ``scenarios`` in one reservation and prints the
     verdicts (``pagedkv.conformance.reproduce_graph``)."""
     steps = ", ".join(s.repro() for s in scenarios)
-    extra = ("" if device == "cpu" else f", device={device!r}") + (
-        f", slack={slack}" if slack else ""
-    )
+    extra = "" if device == "cpu" else f", device={device!r}"
+    extra += f", slack={slack}" if slack else ""
+    extra += f", max_context={max_context}" if max_context else ""
     return (
         'python -c "import torch; from pagedkv.conformance import Scenario, reproduce_graph; '
         f'reproduce_graph({backend_label!r}, [{steps}]{extra})"'
@@ -121,14 +129,15 @@ def replay_steps(
     device: str,
     *,
     slack: int = 0,
+    max_context: int = 0,
     label: str | None = None,
 ) -> tuple[str, list[ScenarioResult]]:
     """Capture the first of ``scenarios`` (steps of one layer) in a reservation that
-    holds them all (``reservation``), replay it, then build each later step into the
+    holds them all (``reservation``: ``slack``, ``max_context``), replay it, then build each later step into the
     same buffers and replay; a result per step. A step that raises is a failure of
     that step, and the steps after it do not run."""
     label = label or repr(backend)
-    reproduction = graph_reproduction(label, scenarios, device, slack)
+    reproduction = graph_reproduction(label, scenarios, device, slack, max_context)
     cuda = torch.device(device).type == "cuda"
     mode = "cuda graph" if cuda else "emulated replay (cpu)"
     results = []
@@ -142,7 +151,7 @@ def replay_steps(
         for problem in problems[1:]:
             problem.sinks = first.sinks  # one impl, one set of sink logits
         spec = first.spec
-        bounds = reservation(problems, slack)
+        bounds = reservation(problems, slack, max_context)
         cache = backend.allocate_kv_cache(max(p.num_blocks for p in problems), spec, device)
         impl = backend.make_impl(spec, sinks=first.sinks)
         eager_builder = backend.make_builder(spec, device)
