@@ -52,6 +52,19 @@ def test_copy_blocks(conformance_target: Target, conformance_run: ConformanceRun
     )
 
 
+def test_bad_input(conformance_target: Target, conformance_run: ConformanceRun) -> None:
+    """A valid step with one field of its metadata or one forward argument broken
+    raises a PagedKVError naming it, before the cache changes (conformance/bad_input.py)."""
+    base = conformance_run.plan(conformance_target).base
+    if base is None:
+        pytest.skip("no base layer (see test_scenario_plan)")
+    from pagedkv.conformance.bad_input import bad_input_problems
+
+    assert conformance_target.backend is not None
+    problems = bad_input_problems(conformance_target.backend, base, conformance_run.device)
+    fail_check(conformance_run.record(CheckResult("bad-input", conformance_target.label, problems)))
+
+
 def test_fuzz(
     conformance_target: Target, conformance_run: ConformanceRun, request: pytest.FixtureRequest
 ) -> None:

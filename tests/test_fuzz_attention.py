@@ -9,7 +9,6 @@ must raise a PagedKVError subclass and leave the cache bit for bit unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedkv import AttentionSpec, CommonAttentionMetadata, PagedKVError, select_backend
+from pagedkv.conformance.bad_input import metadata_breakages
 from pagedkv.intmath import cdiv
 from pagedkv.reference import reference_attention
 from pagedkv.step_check import VALIDATE_ENV
@@ -147,41 +147,7 @@ def test_valid_steps_equal_the_reference_through_pallas(step):
     _check_valid("pallas", step)
 
 
-# -- invalid steps: one field broken ------------------------------------------------------
-
-
-def _breakages(common: CommonAttentionMetadata, block_size: int):
-    """(what, broken metadata, needs PAGEDKV_VALIDATE) for every field this step can break."""
-    yield "block size", dataclasses.replace(common, block_size=block_size * 2), False
-    query_lens = common.query_lens_cpu
-    seq = common.seq_lens_cpu
-    if common.num_actual_tokens:
-        i = int(torch.nonzero(query_lens)[0])
-        shorter = seq.clone()
-        shorter[i] = int(query_lens[i]) - 1
-        yield "seq_len < query_len", dataclasses.replace(common, seq_lens_cpu=shorter), False
-        fewer_rows = common.slot_mapping[: common.num_actual_tokens - 1]
-        yield "token rows", dataclasses.replace(common, slot_mapping=fewer_rows), False
-        slots = common.slot_mapping.clone()
-        slots[0] = 1  # a slot of block 0, the null block
-        yield "slot in the null block", dataclasses.replace(common, slot_mapping=slots), True
-    if common.num_reqs > 1:
-        qsl = common.query_start_loc_cpu.clone()
-        qsl[1] = qsl[2] + 1
-        yield "query_start_loc order", dataclasses.replace(common, query_start_loc_cpu=qsl), False
-    if common.num_reqs:
-        i = int(seq.argmax())
-        grown = seq.clone()
-        grown[i] = common.block_table.shape[1] * block_size + 1
-        yield (
-            "seq_len past its row",
-            dataclasses.replace(common, seq_lens_cpu=grown, max_seq_len=int(grown[i])),
-            False,
-        )
-        if int(seq[i]):
-            table = common.block_table.clone()
-            table[i, 0] = 10_000
-            yield "block id past the pool", dataclasses.replace(common, block_table=table), True
+# -- invalid steps: one field broken (pagedkv.conformance.bad_input) --------------------------
 
 
 @fuzz(40)
@@ -189,8 +155,9 @@ def _breakages(common: CommonAttentionMetadata, block_size: int):
 def test_invalid_steps_raise_and_leave_the_cache_unchanged(step, which):
     cache, builder, impl = _prepared("torch", step)
     common = _metadata(step, context=False)
-    broken = list(_breakages(common, step.spec.block_size))
-    name, bad, needs_validation = broken[which % len(broken)]
+    broken = list(metadata_breakages(common, step.spec.block_size))
+    breakage, bad = broken[which % len(broken)]
+    name, needs_validation = breakage.what, breakage.needs_validation
     before = cache.clone()
     query = torch.randn(common.num_tokens, HEADS, HEAD_SIZE)
     key, value = _rows(step, context=False)
