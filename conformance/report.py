@@ -280,9 +280,9 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         if not entry["available"]:
             lines.append(_unavailable_line(label, entry))
             continue
-        failed_checks = [
-            c["check"] for c in data["checks"] if c["subject"] == label and c["status"] == "fail"
-        ]
+        own = [c for c in data["checks"] if c["subject"] == label]
+        failed_checks = [c["check"] for c in own if c["status"] == "fail"]
+        passed_checks = [c["check"] for c in own if c["status"] == "pass"]
         skipped = [
             f"{entry[key]} {words}"
             for key, words in (("deselected", "deselected"), ("not_run", "not run"))
@@ -295,6 +295,8 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         )
         if failed_checks:
             line += f"; failed checks: {', '.join(failed_checks)}"
+        if passed_checks:
+            line += f"; passed checks: {', '.join(passed_checks)}"
         if entry.get("plan_problems"):
             line += f"; plan problems: {len(entry['plan_problems'])}"
         lines.append(line)

@@ -234,6 +234,7 @@ def test_pagedkv_conform_draws_scenarios_with_fuzz(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pass fuzz torch" in proc.stderr
+    assert "; passed checks: fuzz" in proc.stdout  # the summary says the draw passed
     report = json.loads((tmp_path / "run.json").read_text())
     (check,) = [c for c in report["checks"] if c["check"] == "fuzz"]
     assert (check["examples"], check["seed"]) == (3, 11)
