@@ -89,16 +89,14 @@ def reproduce_graph(
     replay would), each later one built into the same buffers and replayed; print each
     step's verdict (unless ``quiet``)."""
     import torch
-    from pagedkv.conformance.graphs import replay_steps
+    from pagedkv.conformance.graphs import Headroom, replay_steps
     from pagedkv.registry import get_registry
     from pagedkv.selection import parse_config
 
     choice = parse_config(backend)[0]
     impl = get_registry().create(choice.name, **choice.options)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mode, results = replay_steps(
-        impl, steps, device, slack=slack, max_context=max_context, label=backend
-    )
+    mode, results = replay_steps(impl, steps, device, Headroom(slack, max_context), backend)
     if not quiet:
         print(f"{mode}:")
         for result in results:

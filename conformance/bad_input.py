@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from pagedkv.backend import AttentionBackend
-from pagedkv.conformance.check import _context_rows
+from pagedkv.conformance.check import write_context
 from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.problem import build_problem
 from pagedkv.conformance.scenario import Scenario
@@ -114,9 +114,7 @@ def bad_input_problems(backend: AttentionBackend, base: Scenario, device: str) -
     cache = backend.allocate_kv_cache(problem.num_blocks, spec, device)
     impl = backend.make_impl(spec, sinks=problem.sinks)
     builder = backend.make_builder(spec, device)
-    if problem.context.num_actual_tokens:
-        key, value = _context_rows(problem)
-        impl.write_kv(key, value, cache, builder.build(problem.context))
+    write_context(impl, builder, cache, problem)
     rows = problem.common.num_tokens
     args: Args = dict(
         query=problem.query,

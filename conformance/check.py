@@ -212,6 +212,14 @@ def _run(
     result.failures += cache_problems(views, problem)
 
 
+def write_context(impl: Any, builder: Any, kv_cache: torch.Tensor, problem: PagedProblem) -> None:
+    """Write the problem's context (the keys before this step's) into ``kv_cache``: an
+    eager step of its own, built by ``builder`` (never a reserved one)."""
+    if problem.context.num_actual_tokens:
+        key, value = _context_rows(problem)
+        impl.write_kv(key, value, kv_cache, builder.build(problem.context))
+
+
 def _context_rows(problem: PagedProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = problem.query.device
     rows_k, rows_v = [], []

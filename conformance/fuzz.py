@@ -207,14 +207,12 @@ def fuzz_graph_problems(
     replayed; on a CPU the emulated replay of ``conformance/graphs.py``); the problems of
     the smallest failing one hypothesis finds (empty: all passed)."""
     from hypothesis import assume
-    from pagedkv.conformance.graphs import replay_steps
+    from pagedkv.conformance.graphs import Headroom, replay_steps
 
     def attempt(drawn: tuple[list[Scenario], int, int]) -> tuple[str, ScenarioResult] | None:
         steps, slack, max_context = drawn
         assume(not any(scenario_problems(backend, s, device) for s in steps))
-        mode, results = replay_steps(
-            backend, steps, device, slack=slack, max_context=max_context, label=label
-        )
+        mode, results = replay_steps(backend, steps, device, Headroom(slack, max_context), label)
         failed = [r for r in results if not r.passed]
         return (mode, failed[0]) if failed else None
 

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.check import (
     ScenarioResult,
     _check_output,
-    _context_rows,
     record_raise,
+    write_context,
 )
 from pagedkv.conformance.problem import PagedProblem, build_problem, poison_cache
 from pagedkv.conformance.scenario import Scenario
@@ -65,50 +66,46 @@ def graph_steps(base: Scenario, support: GraphSupport) -> list[tuple[Scenario, S
     return [mixed, decodes]
 
 
-def reservation(
-    problems: Sequence[PagedProblem], slack: int = 0, max_context: int = 0
-) -> GraphBounds:
-    """Bounds that hold every step of ``problems``, each bound ``slack`` above the
-    steps' largest (the token bound 2 + ``slack``: rows past every step), but the
-    query bound of decode steps; the block bound holds at least ``max_context`` keys,
-    as an engine reserves its graphs for its model's longest context."""
+@dataclass(frozen=True)
+class Headroom:
+    """How far a reservation's bounds reach past the steps it holds."""
+
+    slack: int = 0  # each bound this far above the steps' largest
+    # the block bound holds at least this many keys, as an engine reserves its graphs
+    # for its model's longest context
+    max_context: int = 0
+
+
+def reservation(problems: Sequence[PagedProblem], headroom: Headroom = Headroom()) -> GraphBounds:
+    """Bounds that hold every step of ``problems`` with ``headroom`` (the token bound also
+    2 rows past every step); the query bound of decode steps stays 1."""
     steps = [p.scenario for p in problems]
     block_size = problems[0].spec.block_size
+    slack = headroom.slack
     longest_query = max(q for s in steps for q in s.query_lens)
     blocks = max(cdiv(n, block_size) for s in steps for n in s.seq_lens) + 1 + slack
     return GraphBounds(
         max_num_reqs=max(len(s.seq_lens) for s in steps) + slack,
         max_num_tokens=max(s.num_tokens for s in steps) + 2 + slack,
-        max_blocks_per_req=max(blocks, cdiv(max_context, block_size)),
+        max_blocks_per_req=max(blocks, cdiv(headroom.max_context, block_size)),
         # a decode reservation (every query <= 1) stays one: a pure_decode backend's
         max_query_len=1 if longest_query <= 1 else longest_query + slack,
     )
 
 
 def graph_reproduction(
-    backend_label: str,
-    scenarios: Sequence[Scenario],
-    device: str,
-    slack: int = 0,
-    max_context: int = 0,
+    backend_label: str, scenarios: Sequence[Scenario], device: str, headroom: Headroom
 ) -> str:
     """One shell line that replays ``scenarios`` in one reservation and prints the
     verdicts (``pagedkv.conformance.reproduce_graph``)."""
     steps = ", ".join(s.repro() for s in scenarios)
     extra = "" if device == "cpu" else f", device={device!r}"
-    extra += f", slack={slack}" if slack else ""
-    extra += f", max_context={max_context}" if max_context else ""
+    extra += f", slack={headroom.slack}" if headroom.slack else ""
+    extra += f", max_context={headroom.max_context}" if headroom.max_context else ""
     return (
         'python -c "import torch; from pagedkv.conformance import Scenario, reproduce_graph; '
         f'reproduce_graph({backend_label!r}, [{steps}]{extra})"'
     )
-
-
-def _write_context(impl, builder, cache: torch.Tensor, problem: PagedProblem) -> None:
-    if problem.context.num_actual_tokens:
-        key, value = _context_rows(problem)
-        # the context write is an eager step of its own (its own builder, not reserved)
-        impl.write_kv(key, value, cache, builder.build(problem.context))
 
 
 def graph_replay_results(
@@ -127,17 +124,15 @@ def replay_steps(
     backend: AttentionBackend,
     scenarios: Sequence[Scenario],
     device: str,
-    *,
-    slack: int = 0,
-    max_context: int = 0,
+    headroom: Headroom = Headroom(),
     label: str | None = None,
 ) -> tuple[str, list[ScenarioResult]]:
     """Capture the first of ``scenarios`` (steps of one layer) in a reservation that
-    holds them all (``reservation``: ``slack``, ``max_context``), replay it, then build each later step into the
+    holds them all (``reservation`` with ``headroom``), replay it, then build each later step into the
     same buffers and replay; a result per step. A step that raises is a failure of
     that step, and the steps after it do not run."""
     label = label or repr(backend)
-    reproduction = graph_reproduction(label, scenarios, device, slack, max_context)
+    reproduction = graph_reproduction(label, scenarios, device, headroom)
     cuda = torch.device(device).type == "cuda"
     mode = "cuda graph" if cuda else "emulated replay (cpu)"
     results = []
@@ -151,7 +146,7 @@ def replay_steps(
         for problem in problems[1:]:
             problem.sinks = first.sinks  # one impl, one set of sink logits
         spec = first.spec
-        bounds = reservation(problems, slack, max_context)
+        bounds = reservation(problems, headroom)
         cache = backend.allocate_kv_cache(max(p.num_blocks for p in problems), spec, device)
         impl = backend.make_impl(spec, sinks=first.sinks)
         eager_builder = backend.make_builder(spec, device)
@@ -183,7 +178,7 @@ def replay_steps(
     for index, (problem, result) in enumerate(zip(problems, results, strict=True)):
         try:
             poison_cache(backend, cache, problem)
-            _write_context(impl, eager_builder, cache, problem)
+            write_context(impl, eager_builder, cache, problem)
             if replay is None:  # the first step: captured
                 metadata = builder.build(problem.common)
                 load(problem)
