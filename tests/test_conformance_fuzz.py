@@ -165,6 +165,32 @@ def test_drawn_reservations_replay_steps_the_listed_pairs_do_not():
     assert problems[-1].startswith("(drawn with seed 2, among 60 reservations")
 
 
+def test_a_long_context_reservation_replays_short_steps_in_a_split_plan():
+    """A drawn reservation for a 4096-key context takes the triton backend's split plan
+    (a reduction launch), so the draw reaches the split path of a graph."""
+    pytest.importorskip("triton")
+    from pagedkv.conformance.graphs import Headroom, reservation
+    from pagedkv.conformance.problem import build_problem
+    from pagedkv.registry import get_registry
+
+    backend = get_registry().create("triton")
+    step = Scenario("graph-fuzz-a", seq_lens=(40, 9), query_lens=(1, 1), dtype=torch.float32)
+    problem = build_problem(step, "cpu")
+
+    def kernels(headroom: Headroom) -> list[str]:
+        builder = backend.make_builder(problem.spec, "cpu")
+        bounds = reservation([problem], headroom)
+        builder.reserve_cuda_graph(bounds)
+        metadata = builder.build(problem.common)
+        query = torch.zeros(bounds.max_num_tokens, step.num_heads, step.head_size)
+        cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, "cpu")
+        plan = backend.make_impl(problem.spec).plan(query, cache, metadata, query.clone())
+        return [launch.kernel.fn.__name__ for launch in plan]
+
+    assert not any("reduce" in k for k in kernels(Headroom()))
+    assert any("reduce" in k for k in kernels(Headroom(max_context=4096)))
+
+
 def test_reproduce_graph_replays_steps_through_a_registered_backend(capsys):
     from pagedkv.conformance import reproduce_graph
 
