@@ -183,7 +183,7 @@ def replay_steps(
                 metadata = builder.build(problem.common)
                 load(problem)
                 forward = functools.partial(impl.forward, q, k, v, cache, metadata, out)
-                replay = _capture(forward) if cuda else forward
+                replay = _capture(forward, device) if cuda else forward
             else:
                 builder.build(problem.common)  # into the buffers the captured step reads
                 load(problem)
@@ -197,11 +197,13 @@ def replay_steps(
     return mode, results
 
 
-def _capture(forward: Callable[[], object]) -> Callable[[], object]:
-    """``forward`` captured into a CUDA graph (compiled by a first call outside it)."""
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def _capture(forward: Callable[[], object], device: str) -> Callable[[], object]:
+    """``forward`` captured into a CUDA graph on ``device`` (compiled by a first call
+    outside it)."""
+    with torch.cuda.device(device):
         forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
     return graph.replay
