@@ -58,6 +58,7 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
     for row in rows:
         assert not row.error, row.error
         assert row.eager_us > 0 and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
+        assert 0 < row.build_us < 100_000  # the step's build, host time
         assert row.graph_us is None and row.graph_flushed_us is None  # no CUDA graphs here
         assert row.host_us is None and row.steady_us is None  # back to back: a GPU's queue
 
@@ -92,7 +93,14 @@ def test_on_a_gpu_every_timing_column_is_measured():
                         progress=lambda _: None)  # fmt: skip
     for row in rows:
         assert not row.error, row.error
-        for name in ("eager_us", "steady_us", "launch_us", "graph_us", "graph_flushed_us"):
+        for name in (
+            "eager_us",
+            "steady_us",
+            "launch_us",
+            "build_us",
+            "graph_us",
+            "graph_flushed_us",
+        ):
             assert getattr(row, name) > 0, (row.workload, name)
 
 

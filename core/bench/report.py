@@ -12,7 +12,7 @@ from pagedkv.bench.runners import Row
 from pagedkv.textutil import format_table
 
 HEADERS = [
-    "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "write us", "GB/s", "%copy",
+    "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "write us", "build us", "GB/s", "%copy",
     "TFLOP/s", "vs base", "max|diff|", "config",
 ]  # fmt: skip
 
@@ -35,7 +35,8 @@ def row_cells(r: Row, floor_us: float | None = None) -> list[str]:
     config = " ".join(f"{k}={v}" for k, v in r.config.items() if k != "backend")
     return [
         r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.steady_us, ".1f"), _fmt(r.graph_us, ".1f"),
-        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _launch_cell(r.launch_us, floor_us), _fmt(r.write_us, ".1f"), _fmt(r.gbps, ".0f"),
+        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _launch_cell(r.launch_us, floor_us), _fmt(r.write_us, ".1f"), _fmt(r.build_us, ".1f"),
+        _fmt(r.gbps, ".0f"),
         _fmt(r.pct_copy, ".1f"), _fmt(r.tflops, ".1f"), _fmt(r.vs_baseline, ".2f"),
         _fmt(r.max_abs_diff, ".1e"), config,
     ]  # fmt: skip

@@ -36,6 +36,9 @@ class Row:
     graph_flushed_us: float | None = None
     launch_us: float | None = None  # GPU: host time to enqueue one eager call
     write_us: float | None = None  # pagedkv only: impl.write_kv of the step's new K/V
+    # pagedkv only: the host's time of builder.build for the step (once a step for all
+    # the layers of a KV-cache group; ``launch_us``'s method: calls back to back)
+    build_us: float | None = None
     gbps: float | None = None  # io bytes / best time
     pct_copy: float | None = None  # of the copy bandwidth measured in the same run
     tflops: float | None = None
@@ -113,6 +116,9 @@ def run_pagedkv(
         fill_cache(backend, kv_cache, problem)
         impl = backend.make_impl(spec)
         metadata = backend.make_builder(spec, device).build(problem.common)
+        # its own builder: a build may reuse the buffers of the builder's last metadata
+        timed_builder = backend.make_builder(spec, device)
+        row.build_us = launch_us(lambda: timed_builder.build(problem.common), device, calls=20)
         if callable(getattr(type(metadata), "describe", None)):
             row.config["plan"] = metadata.describe()  # e.g. the triton backend's launches
         else:
