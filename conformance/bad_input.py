@@ -8,14 +8,13 @@ written out of bounds, silently, unless something checks it first. The contract'
 overrides them, or plans from a field before the check sees it, loses that. Each
 breakage here is one field of the step's metadata or one ``forward`` argument; the
 two that only a device read finds (a slot in the null block, a block id past the
-pool) run with ``PAGEDKV_VALIDATE=1``, as a debug run would.
+pool) run with ``PAGEDKV_VALIDATE=1``, as a debug run would; the others without it,
+whatever the environment says, so that the cheap checks alone must catch them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +22,13 @@ from typing import Any
 import torch
 from pagedkv.backend import AttentionBackend
 from pagedkv.conformance.check import write_context
+from pagedkv.conformance.design import scenario_problems
 from pagedkv.conformance.failure import describe_exception
 from pagedkv.conformance.problem import build_problem
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.errors import PagedKVError
 from pagedkv.metadata import CommonAttentionMetadata
-from pagedkv.step_check import VALIDATE_ENV
+from pagedkv.step_check import full_validation
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,6 @@ def bad_input_problems(backend: AttentionBackend, base: Scenario, device: str) -
     """Each breakage of a valid mixed step on ``base``'s layer: problems where the call
     was accepted, raised something other than a ``PagedKVError`` (a traceback from deep
     inside), raised one that does not name the field, or changed the cache."""
-    from pagedkv.conformance.design import scenario_problems
-
     b = base.block_size
     mixed = base.replace(
         name="bad-input", seq_lens=(2 * b + 3, 5, b), query_lens=(1, 5, 3), num_padding_tokens=1
@@ -141,7 +139,7 @@ def bad_input_problems(backend: AttentionBackend, base: Scenario, device: str) -
     ]
     for broken, call in cases:
         before = cache.view(torch.uint8).clone()
-        with _validation(broken.needs_validation):
+        with full_validation(broken.needs_validation):
             outcome = _outcome(call, broken)
         if outcome:
             problems.append(f"{broken.what}: {outcome}")
@@ -165,20 +163,3 @@ def _outcome(call: Callable[[], None], broken: Breakage) -> str | None:
             "(a check before the kernel would say what is wrong)"
         )
     return f"accepted (expected a PagedKVError naming {broken.names})"
-
-
-@contextlib.contextmanager
-def _validation(enabled: bool) -> Iterator[None]:
-    """PAGEDKV_VALIDATE set to 1 while ``enabled`` (restored after)."""
-    if not enabled:
-        yield
-        return
-    old = os.environ.get(VALIDATE_ENV)
-    os.environ[VALIDATE_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(VALIDATE_ENV, None)
-        else:
-            os.environ[VALIDATE_ENV] = old

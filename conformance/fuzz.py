@@ -29,6 +29,7 @@ from pagedkv.conformance.design import (
     _preferred_head_sizes,
     scenario_problems,
 )
+from pagedkv.conformance.graphs import Headroom
 from pagedkv.conformance.scenario import Scenario
 from pagedkv.features import Feature
 from pagedkv.graph import GraphSupport
@@ -133,8 +134,8 @@ def scenarios(base: Scenario, backend: AttentionBackend) -> Any:
 
 def reservations(base: Scenario, backend: AttentionBackend) -> Any:
     """The hypothesis strategy of CUDA-graph reservations around ``base``: (two or three
-    steps of one drawn layer, the bounds' slack above them, the longest context they
-    are reserved for). The steps are what the backend's ``graph_support`` takes: decodes
+    steps of one drawn layer, the bounds' ``Headroom`` past them: a slack and the
+    longest context they are reserved for). The steps are what the backend's ``graph_support`` takes: decodes
     and empty requests under ``pure_decode``, any batch under ``mixed``; the first is
     captured, the others replayed. A reservation for a long context (4096 keys, as an
     engine reserves for its model's) takes the plans a long step would, split ones
@@ -145,7 +146,7 @@ def reservations(base: Scenario, backend: AttentionBackend) -> Any:
     kinds = _KINDS if mixed else ("decode", "empty")
 
     @st.composite
-    def draw(draw: Any) -> tuple[list[Scenario], int, int]:
+    def draw(draw: Any) -> tuple[list[Scenario], Headroom]:
         b = draw(st.sampled_from(_block_sizes(base, backend)))
         layer = _layer(draw, base, backend, b)
         steps = [
@@ -159,7 +160,7 @@ def reservations(base: Scenario, backend: AttentionBackend) -> Any:
             )
             for i in range(draw(st.integers(2, 3)))
         ]
-        return steps, draw(st.integers(0, 3)), draw(st.sampled_from([0, 0, 4096]))
+        return steps, Headroom(draw(st.integers(0, 3)), draw(st.sampled_from([0, 0, 4096])))
 
     return draw()
 
@@ -207,12 +208,12 @@ def fuzz_graph_problems(
     replayed; on a CPU the emulated replay of ``conformance/graphs.py``); the problems of
     the smallest failing one hypothesis finds (empty: all passed)."""
     from hypothesis import assume
-    from pagedkv.conformance.graphs import Headroom, replay_steps
+    from pagedkv.conformance.graphs import replay_steps
 
-    def attempt(drawn: tuple[list[Scenario], int, int]) -> tuple[str, ScenarioResult] | None:
-        steps, slack, max_context = drawn
+    def attempt(drawn: tuple[list[Scenario], Headroom]) -> tuple[str, ScenarioResult] | None:
+        steps, headroom = drawn
         assume(not any(scenario_problems(backend, s, device) for s in steps))
-        mode, results = replay_steps(backend, steps, device, Headroom(slack, max_context), label)
+        mode, results = replay_steps(backend, steps, device, headroom, label)
         failed = [r for r in results if not r.passed]
         return (mode, failed[0]) if failed else None
 

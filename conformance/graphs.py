@@ -128,8 +128,8 @@ def replay_steps(
     label: str | None = None,
 ) -> tuple[str, list[ScenarioResult]]:
     """Capture the first of ``scenarios`` (steps of one layer) in a reservation that
-    holds them all (``reservation`` with ``headroom``), replay it, then build each later step into the
-    same buffers and replay; a result per step. A step that raises is a failure of
+    holds them all (``reservation`` with ``headroom``), replay it, then build each
+    later step into the same buffers and replay; a result per step. A step that raises is a failure of
     that step, and the steps after it do not run."""
     label = label or repr(backend)
     reproduction = graph_reproduction(label, scenarios, device, headroom)

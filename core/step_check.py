@@ -15,8 +15,10 @@ It syncs the device: a debugging switch, not for production.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -36,6 +38,22 @@ _TENSORS = (
 
 def full_validation_enabled() -> bool:
     return os.environ.get(VALIDATE_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def full_validation(enabled: bool) -> Iterator[None]:
+    """``PAGEDKV_VALIDATE`` on or off for the block, whatever it was (restored after):
+    to show that a bad step is caught by the cheap checks alone, or only with the
+    debug validation."""
+    old = os.environ.pop(VALIDATE_ENV, None)
+    if enabled:
+        os.environ[VALIDATE_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(VALIDATE_ENV, None)
+        if old is not None:
+            os.environ[VALIDATE_ENV] = old
 
 
 def check_step(common: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:

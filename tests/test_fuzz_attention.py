@@ -9,7 +9,6 @@ must raise a PagedKVError subclass and leave the cache bit for bit unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +19,7 @@ from pagedkv import AttentionSpec, CommonAttentionMetadata, PagedKVError, select
 from pagedkv.conformance.bad_input import metadata_breakages
 from pagedkv.intmath import cdiv
 from pagedkv.reference import reference_attention
-from pagedkv.step_check import VALIDATE_ENV
+from pagedkv.step_check import full_validation
 
 HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 32
 
@@ -161,14 +160,6 @@ def test_invalid_steps_raise_and_leave_the_cache_unchanged(step, which):
     before = cache.clone()
     query = torch.randn(common.num_tokens, HEADS, HEAD_SIZE)
     key, value = _rows(step, context=False)
-    old = os.environ.pop(VALIDATE_ENV, None)
-    if needs_validation:
-        os.environ[VALIDATE_ENV] = "1"
-    try:
-        with pytest.raises(PagedKVError):
-            impl.forward(query, key, value, cache, builder.build(bad))
-    finally:
-        os.environ.pop(VALIDATE_ENV, None)
-        if old is not None:
-            os.environ[VALIDATE_ENV] = old
+    with full_validation(needs_validation), pytest.raises(PagedKVError):
+        impl.forward(query, key, value, cache, builder.build(bad))
     assert torch.equal(cache.view(torch.int32), before.view(torch.int32)), name

@@ -147,7 +147,8 @@ class Progress:
         self.start = time.monotonic()
         self.config: Any = None
         # failed tests that recorded no failing result or check (the harness itself
-        # raised): their pytest report, printed in full at the end
+        # raised, or a test that reports through pytest alone): pytest's report of
+        # each, printed in full at the end
         self.unrecorded: list[tuple[str, str]] = []
         self._recorded_before = 0
 
@@ -258,7 +259,7 @@ def print_results(
             for problem in check.problems:
                 print(f"  - {problem}", file=out)
     for name, text in unrecorded or ():
-        print(f"[{name}] FAIL: the check itself raised:\n{text}", file=out)
+        print(f"[{name}] FAIL (pytest's report):\n{text}", file=out)
     data = report_data(run)
     print(file=out)
     print(format_table(*matrix_rows(data)), file=out)
