@@ -1,5 +1,6 @@
 """What the always-on step checks cost: CPU time of ``check_step`` and of a whole
-``builder.build()`` for 1, 64 and 512 requests (decode steps, 4k-token contexts); with
+``builder.build()`` for 1, 64 and 512 requests (decode steps, 4k-token contexts),
+eager and under a CUDA-graph reservation that holds the step; with
 ``--forward``, the Python of one triton ``forward`` (checks, planning, the direct launch
 path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU.
 
@@ -21,6 +22,8 @@ import time
 import pagedkv
 import torch
 from pagedkv import AttentionSpec, CommonAttentionMetadata
+from pagedkv.errors import UnsupportedError
+from pagedkv.graph import GraphBounds
 from pagedkv.step_check import check_step
 
 SPEC = AttentionSpec(
@@ -81,6 +84,19 @@ def stub_launcher() -> None:
     dispatch.current_stream = lambda: 0
 
 
+def first_forward_us(builder, common, run, repeats: int = 300) -> float:
+    """A step's first forward (``run(metadata)``, median, after a new ``build``): its
+    launch templates are new, so the direct launch path specialises the step's
+    arguments once (what every later layer's forward of the step then reuses)."""
+    samples = []
+    for _ in range(repeats):
+        metadata = builder.build(common)
+        start = time.thread_time()
+        run(metadata)
+        samples.append(time.thread_time() - start)
+    return 1e6 * statistics.median(samples)
+
+
 def forward_overhead() -> None:
     """One triton forward's Python (launcher stubbed): a 1 x 32k decode (attention and
     reduction) and a mixed step of 16 decodes and a 256-token chunk (two parts)."""
@@ -90,7 +106,7 @@ def forward_overhead() -> None:
         "decode 1x32k": ([32768], [1]),
         "mixed 16+1": ([4000] * 16 + [31621], [1] * 16 + [256]),
     }
-    print(f"{'step':>14}  {'launches':>8}  {'forward us':>10}")
+    print(f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}")
     for name, (seq_lens, query_lens) in steps.items():
         tables, first = [], 1
         for n in seq_lens:
@@ -98,14 +114,18 @@ def forward_overhead() -> None:
             first += len(tables[-1])
         common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
         cache = backend.allocate_kv_cache(first, SPEC, "cpu")
-        metadata = backend.make_builder(SPEC, "cpu").build(common)
+        builder = backend.make_builder(SPEC, "cpu")
+        metadata = builder.build(common)
         impl = backend.make_impl(SPEC)
         query = torch.randn(sum(query_lens), SPEC.num_heads, SPEC.head_size).to(SPEC.dtype)
         out = torch.empty_like(query)
         launches = len(impl.plan(query, cache, metadata, out))
         forward = functools.partial(impl.forward, query, None, None, cache, metadata, out)
         us = median_us(forward, 4000)
-        print(f"{name:>14}  {launches:>8}  {us:>10.1f}")
+        first = first_forward_us(
+            builder, common, functools.partial(impl.forward, query, None, None, cache, output=out)
+        )
+        print(f"{name:>14}  {launches:>8}  {us:>10.1f}  {first:>16.1f}")
 
 
 def main() -> None:
@@ -117,18 +137,27 @@ def main() -> None:
     if args.forward:
         forward_overhead()
         return
+    configs = args.backends.split(",")
     print(
         f"{'requests':>8}  {'check_step us':>13}  "
-        + "  ".join(f"{b + ' build us':>16}" for b in args.backends.split(","))
+        + "  ".join(f"{c + ' build us':>16}  {'(graph)':>8}" for c in configs)
     )
     for n in (1, 64, 512):
         common = step(n, args.device)
         row = [f"{n:>8}", f"{median_us(lambda c=common: check_step(c, 16)):>13.1f}"]
-        for config in args.backends.split(","):
-            builder = pagedkv.select_backend(config, SPEC, args.device).make_builder(
-                SPEC, args.device
-            )
-            row.append(f"{median_us(lambda c=common, b=builder: b.build(c), 500):>16.1f}")
+        for config in configs:
+            backend = pagedkv.select_backend(config, SPEC, args.device)
+            eager = backend.make_builder(SPEC, args.device)
+            row.append(f"{median_us(lambda c=common, b=eager: b.build(c), 500):>16.1f}")
+            # under a CUDA-graph reservation that holds the step: what a captured
+            # decode pays each step (the step staged into the graph's buffers)
+            graph = backend.make_builder(SPEC, args.device)
+            try:
+                graph.reserve_cuda_graph(GraphBounds(n, n, common.block_table.shape[1]))
+            except UnsupportedError:  # no graph support declared
+                row.append(f"{'-':>8}")
+                continue
+            row.append(f"{median_us(lambda c=common, b=graph: b.build(c), 500):>8.1f}")
         print("  ".join(row))
 
 

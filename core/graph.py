@@ -85,12 +85,14 @@ class GraphStaging:
     def stage(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         b = self.bounds
         num_reqs = common.num_reqs
+        qsl = common.query_start_loc_cpu.numpy()
+        seq = common.seq_lens_cpu.numpy()
         for name, got, cap in (
             ("num_reqs", num_reqs, b.max_num_reqs),
             ("num_tokens", common.num_tokens, b.max_num_tokens),
             (
                 "max_query_len",
-                int(np.diff(common.query_start_loc_cpu.numpy()).max(initial=0)),
+                int(np.maximum.reduce(qsl[1:] - qsl[:-1], initial=0)),
                 b.max_query_len,
             ),
         ):
@@ -99,7 +101,7 @@ class GraphStaging:
                     f"{name} = {got} exceeds the CUDA-graph reservation ({name} bound {cap}); "
                     "reserve_cuda_graph with larger GraphBounds"
                 )
-        needed = cdiv(int(common.seq_lens_cpu.numpy().max(initial=0)), self.block_size)
+        needed = cdiv(int(np.maximum.reduce(seq, initial=0)), self.block_size)
         if needed > b.max_blocks_per_req:
             raise MetadataError(
                 f"a request needs {needed} blocks but the CUDA-graph reservation holds "
@@ -114,11 +116,12 @@ class GraphStaging:
         self.block_table[:num_reqs, :width].copy_(common.block_table[:, :width], non_blocking=True)
         self.slot_mapping[: common.num_tokens].copy_(common.slot_mapping, non_blocking=True)
         self.slot_mapping[common.num_tokens :].fill_(-1)
-        pad = b.max_num_reqs - num_reqs
-        qsl_cpu = torch.from_numpy(
-            np.pad(common.query_start_loc_cpu.numpy(), (0, pad), mode="edge")
-        )
-        seq_cpu = torch.from_numpy(np.pad(common.seq_lens_cpu.numpy(), (0, pad)))
+        # the host copies padded alike: requests without queries or keys
+        qsl_padded = np.empty(b.max_num_reqs + 1, qsl.dtype)
+        qsl_padded[: num_reqs + 1] = qsl
+        qsl_padded[num_reqs + 1 :] = qsl[-1]
+        seq_padded = np.zeros(b.max_num_reqs, seq.dtype)
+        seq_padded[:num_reqs] = seq
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -127,7 +130,7 @@ class GraphStaging:
             num_actual_tokens=num_actual,
             max_query_len=b.max_query_len,
             max_seq_len=b.max_blocks_per_req * self.block_size,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu,
+            query_start_loc_cpu=torch.from_numpy(qsl_padded),
+            seq_lens_cpu=torch.from_numpy(seq_padded),
             block_size=common.block_size,
         )

@@ -195,12 +195,13 @@ class LayerShape:
     def of(spec: AttentionSpec) -> LayerShape:
         return _layer_shape(spec)
 
-    @property
+    # (computed once: the rule reads them many times a step)
+    @functools.cached_property
     def group(self) -> int:
         """Query heads per KV head (rows per query token)."""
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @functools.cached_property
     def head_pad(self) -> int:
         """The head size rounded up to a power of two, at least 16 (tl.dot's minimum)."""
         return max(16, next_power_of_2(self.head_size))
@@ -262,13 +263,19 @@ class StepShape:
         """Requests ``[first, end)``."""
         return StepShape(self.query_lens[first:end], self.seq_lens[first:end])
 
-    @property
+    # read many times by one step's plan (a shape's arrays are never written)
+    @functools.cached_property
     def max_query_len(self) -> int:
         return int(self.query_lens.max(initial=0))
 
-    @property
+    @functools.cached_property
     def max_seq_len(self) -> int:
         return int(self.seq_lens.max(initial=0))
+
+    @functools.cached_property
+    def all_live(self) -> bool:
+        """Whether every request has queries (no padding request)."""
+        return bool(self.query_lens.min(initial=1) > 0)
 
 
 @dataclass(frozen=True)
@@ -313,8 +320,10 @@ def mma_rate(layer: LayerShape, block_m: int) -> float:
 def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, float]:
     """(compute, memory) of a step at ``block_m`` rows, in (row, key) products at the
     full tensor rate (per KV head; every KV head costs the same)."""
-    live = step.query_lens > 0
-    q, seq = step.query_lens[live], step.seq_lens[live]
+    q, seq = step.query_lens, step.seq_lens
+    if not step.all_live:
+        live = q > 0
+        q, seq = q[live], seq[live]
     block_q = block_m // layer.group
     blocks = -(-q // block_q)
     context = seq - q
@@ -842,16 +851,22 @@ def program_keys(layer: LayerShape, step: StepShape, block_q: int, tile_n: int) 
     """Keys each query block of the step visits (one entry per query block, for one KV
     head): the toolkit's ``tile_keys`` over its queries (the kernel's steps ``tile_n``
     keys)."""
-    live = step.query_lens > 0
-    q, seq = step.query_lens[live], step.seq_lens[live]
+    q, seq = step.query_lens, step.seq_lens
+    if not step.all_live:
+        live = q > 0
+        q, seq = q[live], seq[live]
     if step.max_query_len <= block_q:  # one block per request (decodes): its queries
-        first, end, owner = np.zeros_like(q), q, np.arange(len(q))
-    else:
-        blocks = -(-q // block_q)
-        owner = np.repeat(np.arange(len(q)), blocks)
-        first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
-        first = (np.arange(len(owner)) - first_block) * block_q  # block within its request
-        end = np.minimum(first + block_q, q[owner])
+        if layer.window is None:  # the block's last query sees every key
+            return seq.astype(np.float64)
+        return split_kv.tile_keys(
+            seq, q, np.zeros_like(q), q,
+            causal=layer.causal, window=layer.window, key_step=tile_n,
+        )  # fmt: skip
+    blocks = -(-q // block_q)
+    owner = np.repeat(np.arange(len(q)), blocks)
+    first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
+    first = (np.arange(len(owner)) - first_block) * block_q  # block within its request
+    end = np.minimum(first + block_q, q[owner])
     return split_kv.tile_keys(
         seq[owner], q[owner], first, end,
         causal=layer.causal, window=layer.window, key_step=tile_n,

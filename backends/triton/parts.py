@@ -49,7 +49,8 @@ def part_views(
             num_tokens // block_q + num_reqs,
         )
     first, end = requests
-    lo, hi = common.query_start_loc_cpu[[first, end]].tolist()
+    qsl = common.query_start_loc_cpu.numpy()
+    lo, hi = int(qsl[first]), int(qsl[end])
     return PartViews(
         common.query_start_loc[first:],
         common.seq_lens[first:],
@@ -72,6 +73,10 @@ def decode_and_longer_runs(
     decode run: every request goes to the longer requests' launch, whose tiles serve both.
     An empty run is ``(i, i)``."""
     n = len(query_lens)
+    least, most = query_lens.min(initial=1), query_lens.max(initial=0)
+    if least > 0 and (most <= max_decode_len or least > max_decode_len):
+        # every request live and of one kind (a decode step, a prefill step)
+        return ((0, n), (n, n)) if most <= max_decode_len else ((0, 0), (0, n))
     live = query_lens > 0
     if not live.any():
         return (0, n), (n, n)

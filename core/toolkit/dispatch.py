@@ -142,10 +142,26 @@ class _Params:
         default_factory=dict, compare=False, repr=False
     )
 
+    # a shared group's names -> each one's (parameter index or -1, keyed by value)
+    _roles: dict[tuple[str, ...], tuple[tuple[int, bool], ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
     def positions(self, names: tuple[str, ...]) -> tuple[int, ...]:
         found = self._positions.get(names)
         if found is None:
             found = self._positions[names] = tuple(self.index[n] for n in names)
+        return found
+
+    def roles(self, names: tuple[str, ...]) -> tuple[tuple[int, bool], ...]:
+        """Each of ``names``: its parameter index (-1: a launch option), and whether a
+        variant depends on its value (a constexpr or an option) rather than on its
+        specialisation."""
+        found = self._roles.get(names)
+        if found is None:
+            found = self._roles[names] = tuple(
+                (self.index.get(n, -1), n not in self.index or n in self.constexprs) for n in names
+            )
         return found
 
 
@@ -201,23 +217,25 @@ class LaunchArgs:
         key = id(kernel)
         if key in self._bound:
             return self._bound[key]
-        spec, positions = [], []
+        names = tuple(self.values)
+        spec: list[Any] = [names]
+        positions = []
         found: tuple[int, tuple[tuple[int, Any], ...]] | None = None
-        for name, value in self.values.items():
-            i = params.index.get(name)
-            if i is None or name in params.constexprs:  # an option or constexpr: by value
+        for (i, by_value), value in zip(params.roles(names), self.values.values()):
+            if by_value:  # an option or constexpr: by value
                 try:
                     hash(value)
                 except TypeError:
                     break
-                spec.append((name, type(value), value))
+                spec.append((type(value), value))
+                if i >= 0:
+                    positions.append((i, launch_value(value)))
             else:
-                s = specialization(value)
+                s, launched = call_entry(value)
                 if s is _OPAQUE:
                     break
-                spec.append((name, s))
-            if i is not None:
-                positions.append((i, launch_value(value)))
+                spec.append(s)
+                positions.append((i, launched))
         else:
             found = (_KEY_IDS.setdefault(tuple(spec), len(_KEY_IDS)), tuple(positions))
         self._bound[key] = found

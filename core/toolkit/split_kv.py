@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 # stands in for it, small enough that only few-sequence, long-context batches split,
 # so CPU tests still cover the split path.
 CPU_SM_COUNT = 4
+
+# the ufuncs' reductions, called directly (ndarray.max and .sum add a Python frame:
+# the rule runs a few dozen of them on every step's build)
+_max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
 
 @functools.cache
@@ -191,12 +196,15 @@ class SplitPolicy:
         split_slots = split_slots or slots
         floor = min_keys_per_split or self.min_keys_per_split
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
-        even, even_time = self._even_shares(keys, slots, split_slots, even_limit, floor, *costs)
+        steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
+        even, even_time = self._even_shares(
+            keys, steps, slots, split_slots, even_limit, floor, *costs
+        )
         if key_ranges and limit > 1:
             range_slots = range_slots or split_slots
             merge = _merge_on(range_slots, merge_keys_per_split, split_slots)
             ranged, ranged_time = self._key_ranges(
-                keys, range_slots, limit, floor, granule, overhead_keys, merge, copies,
+                steps, range_slots, limit, floor, granule, overhead_keys, merge, copies,
                 listed, max_programs, range_multiples, merge_split_only,
             )  # fmt: skip
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
@@ -206,6 +214,7 @@ class SplitPolicy:
     def _even_shares(
         self,
         keys: np.ndarray,
+        steps: np.ndarray,
         slots: int,
         split_slots: int,
         limit: int,
@@ -216,29 +225,27 @@ class SplitPolicy:
         copies: int,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s even shares of at least ``floor`` keys and their
-        estimated time (in keys)."""
-        longest = float(keys.max(initial=0.0))
+        estimated time (in keys); ``steps``: each program's keys in ``granule`` steps."""
+        longest = float(_max(keys, initial=0.0))
         limit = max(1, min(limit, int(longest) // floor))
-        candidates = np.array([s for s in _SPLIT_CANDIDATES if s <= limit] or [1])
-        steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
+        candidates, merges, grid_slots = _even_candidates(limit, slots, split_slots)
         per_program = (
             np.ceil(steps[None, :] / candidates[:, None]) * granule + overhead_keys
         )  # [S, P]
-        grid_slots = np.where(candidates > 1, split_slots, slots).clip(min=1)
         estimate = _grid_time(
-            per_program.sum(axis=1) * candidates * copies,
-            per_program.max(axis=1, initial=0.0),
+            _sum(per_program, axis=1) * candidates * copies,
+            _max(per_program, axis=1, initial=0.0),
             len(keys) * candidates * copies,
             grid_slots,
         )
-        estimate += np.where(candidates > 1, candidates * merge_keys_per_split, 0.0)
-        best = estimate.min()
+        estimate += merges * merge_keys_per_split
+        best = _min(estimate)
         pick = int(np.argmax(estimate <= best * (1 + MAKESPAN_TIE)))
         return self._choice(int(candidates[pick]), int(longest), granule), float(estimate[pick])
 
     def _key_ranges(
         self,
-        keys: np.ndarray,
+        steps: np.ndarray,
         slots: int,
         limit: int,
         floor: int,
@@ -252,10 +259,10 @@ class SplitPolicy:
         merge_split_only: bool = False,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s fixed key range of at least ``floor`` keys (on a split
-        grid of ``slots``) and its estimated time (in keys); an infinite time when none
-        applies (or none launches within ``max_programs`` programs per copy)."""
-        steps = np.ceil(keys / granule)  # [P]
-        most = float(steps.max(initial=0.0))
+        grid of ``slots``) over programs of ``steps`` inner steps (of ``granule`` keys)
+        and its estimated time (in keys); an infinite time when none applies (or none
+        launches within ``max_programs`` programs per copy)."""
+        most = float(_max(steps, initial=0.0))
         longest = most * granule
         ranges = [
             k // granule
@@ -271,7 +278,7 @@ class SplitPolicy:
             estimate[programs / copies > max_programs] = np.inf
         # ranges ascend: the last within the tie is the longest, the fewest splits
         tie = RANGE_TIE if tuple(range_multiples) == (1.0,) else 0.0
-        pick = int(np.flatnonzero(estimate <= estimate.min() * (1 + tie))[-1])
+        pick = int(np.flatnonzero(estimate <= _min(estimate) * (1 + tie))[-1])
         return (
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
@@ -291,15 +298,8 @@ class SplitPolicy:
         ``min_keys_per_split``), at most ``limit`` of them in the longest program,
         shorter than it; none unless it holds two minimal ranges (as even shares)."""
         floor = floor or self.min_keys_per_split
-        most = float(np.ceil(longest / granule))
-        least = max(cdiv(floor, granule), int(np.ceil(most / limit)))
-        candidates: set[int] = set()  # inner steps per split
-        r = prev_power_of_2(least)
-        while r < most and most * granule >= 2 * floor:
-            steps_each = (r * m for m in range_multiples)
-            candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
-            r *= 2
-        return [n * granule for n in sorted(candidates)]
+        most = math.ceil(longest / granule)
+        return list(_key_range_candidates(most, granule, limit, tuple(range_multiples), floor))
 
     def key_range_estimates(
         self,
@@ -396,15 +396,16 @@ def _range_estimates(
     entry per range size) over programs of ``steps`` inner steps, with each size's split
     count (the longest program's ranges) and its programs (``merge_split_only``: see
     ``SplitPolicy.choose_by_makespan``)."""
-    most = float(steps.max(initial=0.0))
+    most = float(_max(steps, initial=0.0))
     pieces = np.ceil(steps[None, :] / per_range[:, None])  # [R, P] programs with keys
     splits = np.ceil(most / per_range)  # [R] the grid's split axis
-    work = (steps.sum() * granule + pieces.sum(axis=1) * overhead_keys) * copies
+    with_keys = _sum(pieces, axis=1)  # [R]
+    work = (float(_sum(steps)) * granule + with_keys * overhead_keys) * copies
     if listed:  # only the programs with keys
-        programs = pieces.sum(axis=1) * copies
+        programs = with_keys * copies
     else:  # every sequence's programs up to the longest one's, the others empty
         programs = len(steps) * splits * copies
-        work += (programs - pieces.sum(axis=1) * copies) * overhead_keys
+        work += (programs - with_keys * copies) * overhead_keys
     longest = np.minimum(per_range, most) * granule + overhead_keys
     # not _grid_time's waves: every sequence's last range is shorter than the others, so
     # programs end at scattered times and a wave boundary falls anywhere in the last one
@@ -416,6 +417,38 @@ def _range_estimates(
     else:
         estimate += splits * merge_keys_per_split
     return estimate, splits, programs
+
+
+@functools.lru_cache(maxsize=256)
+def _even_candidates(limit: int, slots: int, split_slots: int) -> tuple[np.ndarray, ...]:
+    """The split counts even shares compare (at most ``limit``; the first, 1, unsplit),
+    each one's count of merged splits (none unsplit), and the slots of its grid (an
+    unsplit launch's ``slots``, a split one's ``split_slots``; at least one). Read-only:
+    kept for every step of a layer."""
+    counts = [c for c in _SPLIT_CANDIDATES if c <= limit] or [1]
+    candidates = np.array(counts, dtype=np.float64)
+    merges = np.where(candidates > 1, candidates, 0.0)
+    grid_slots = np.where(candidates > 1, split_slots, slots).clip(min=1).astype(np.float64)
+    for a in (candidates, merges, grid_slots):
+        a.flags.writeable = False
+    return candidates, merges, grid_slots
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_range_candidates(
+    most: int, granule: int, limit: int, range_multiples: tuple[float, ...], floor: int
+) -> tuple[int, ...]:
+    """``SplitPolicy.key_range_candidates`` for a longest program of ``most`` inner
+    steps: a step's longest request changes step count once every ``granule`` keys, so
+    successive decode steps look the same ranges up."""
+    least = max(cdiv(floor, granule), math.ceil(most / limit))
+    candidates: set[int] = set()  # inner steps per split
+    r = prev_power_of_2(least)
+    while r < most and most * granule >= 2 * floor:
+        steps_each = (r * m for m in range_multiples)
+        candidates |= {int(n) for n in steps_each if n == int(n) and least <= n < most}
+        r *= 2
+    return tuple(n * granule for n in sorted(candidates))
 
 
 def _grid_time(
