@@ -2,7 +2,9 @@
 ``builder.build()`` for 1, 64 and 512 requests (decode steps, 4k-token contexts),
 eager and under a CUDA-graph reservation that holds the step; with
 ``--forward``, the Python of one triton ``forward`` (checks, planning, the direct launch
-path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU.
+path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU: one
+layer's repeated, a step's first, and a step's through 16 layers (what an eager engine
+pays per layer).
 
     python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda]
     TRITON_INTERPRET=1 python benchmarks/build_overhead.py --forward
@@ -84,17 +86,26 @@ def stub_launcher() -> None:
     dispatch.current_stream = lambda: 0
 
 
-def first_forward_us(builder, common, run, repeats: int = 300) -> float:
-    """A step's first forward (``run(metadata)``, median, after a new ``build``): its
-    launch templates are new, so the direct launch path specialises the step's
-    arguments once (what every later layer's forward of the step then reuses)."""
-    samples = []
+LAYERS = 16  # a step's forwards through this many layers (``step_forward_us``)
+
+
+def step_forward_us(builder, common, layers, repeats: int = 200) -> tuple[float, float]:
+    """(a step's first forward, its forwards through every layer per layer), medians
+    over new builds: ``layers`` runs each one layer's forward of the step's metadata.
+    An eager engine's forwards: the first specialises the step's launch arguments once
+    for every layer, and each layer launches with the step's arguments and its own."""
+    first, per_layer = [], []
     for _ in range(repeats):
         metadata = builder.build(common)
         start = time.thread_time()
-        run(metadata)
-        samples.append(time.thread_time() - start)
-    return 1e6 * statistics.median(samples)
+        layers[0](metadata)
+        after_first = time.thread_time()
+        for run in layers[1:]:
+            run(metadata)
+        end = time.thread_time()
+        first.append(after_first - start)
+        per_layer.append((end - start) / len(layers))
+    return 1e6 * statistics.median(first), 1e6 * statistics.median(per_layer)
 
 
 def forward_overhead() -> None:
@@ -106,26 +117,33 @@ def forward_overhead() -> None:
         "decode 1x32k": ([32768], [1]),
         "mixed 16+1": ([4000] * 16 + [31621], [1] * 16 + [256]),
     }
-    print(f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}")
+    print(
+        f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}  "
+        f"{f'a step of {LAYERS} layers, us per layer':>32}"
+    )
     for name, (seq_lens, query_lens) in steps.items():
         tables, first = [], 1
         for n in seq_lens:
             tables.append(list(range(first, first - (-n // 16))))
             first += len(tables[-1])
         common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
-        cache = backend.allocate_kv_cache(first, SPEC, "cpu")
+        caches = [backend.allocate_kv_cache(first, SPEC, "cpu") for _ in range(LAYERS)]
+        impls = [backend.make_impl(SPEC) for _ in range(LAYERS)]
         builder = backend.make_builder(SPEC, "cpu")
         metadata = builder.build(common)
-        impl = backend.make_impl(SPEC)
+        impl, cache = impls[0], caches[0]
         query = torch.randn(sum(query_lens), SPEC.num_heads, SPEC.head_size).to(SPEC.dtype)
         out = torch.empty_like(query)
         launches = len(impl.plan(query, cache, metadata, out))
+        # one layer's forward repeated over one step's metadata (the bench's eager call)
         forward = functools.partial(impl.forward, query, None, None, cache, metadata, out)
         us = median_us(forward, 4000)
-        first = first_forward_us(
-            builder, common, functools.partial(impl.forward, query, None, None, cache, output=out)
-        )
-        print(f"{name:>14}  {launches:>8}  {us:>10.1f}  {first:>16.1f}")
+        layers = [
+            functools.partial(i.forward, query, None, None, c, output=out)
+            for i, c in zip(impls, caches, strict=True)
+        ]
+        first_us, layer_us = step_forward_us(builder, common, layers)
+        print(f"{name:>14}  {launches:>8}  {us:>10.1f}  {first_us:>16.1f}  {layer_us:>32.1f}")
 
 
 def main() -> None:

@@ -82,8 +82,9 @@ def test_second_call_skips_the_dispatch_with_every_argument_in_place():
 
 
 def test_a_layer_group_swapped_in_lays_the_arguments_out_again():
-    """The arguments are laid out once per (step, layer) pair: another layer's group
-    (or another cache's) with the same specialisation puts its own values in place."""
+    """The step's group keeps the layout of the groups it last launched with: another
+    layer's group (or another cache's) with the same specialisation puts its own values
+    in place, and the first group's again."""
     kernel, x = _Kernel(), torch.zeros(8)
     step = LaunchArgs({"stride": 3})
     ran = []
@@ -244,6 +245,64 @@ def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
         return out
 
     _two_forwards(monkeypatch, forward, 4)
+
+
+@NEEDS_INTERPRETER
+def test_a_steps_layers_share_its_layout_and_launch_their_own_tensors(monkeypatch):
+    """Two layers of one shape (their own caches and sinks) over one step: they share
+    one group of layer arguments, so the step's launches are laid out once for both,
+    and each layer's direct launches pass its own cache views and sinks."""
+    import pagedkv
+    from pagedkv import AttentionSpec, CommonAttentionMetadata
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
+                         block_size=16, use_sinks=True)  # fmt: skip
+    seq_lens, query_lens = [4000, 40, 900], [1, 1, 1]
+    tables, first = [], 1
+    for n in seq_lens:
+        tables.append(list(range(first, first + -(-n // 16))))
+        first += len(tables[-1])
+    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    backend = pagedkv.get_backend("triton")
+    md = backend.make_builder(spec, "cpu").build(common, num_splits=3)
+    (part,) = md.parts
+    assert part.reduce is not None
+    layers = [
+        (
+            backend.make_impl(spec, sinks=torch.full((8,), float(i))),
+            backend.allocate_kv_cache(first, spec, "cpu"),
+        )
+        for i in range(2)
+    ]
+    query = torch.randn(common.num_actual_tokens, 8, 32).half()
+    out = torch.empty_like(query)
+    compiled = {}
+
+    def dispatch_once(kernel, grid, shared, call, stream=None):
+        return compiled.setdefault(kernel, _Compiled())
+
+    monkeypatch.setattr(dispatch, "_params", _source_params)
+    monkeypatch.setattr(dispatch, "_dispatch", dispatch_once)
+    for impl, cache in layers:  # the variants found (Triton's dispatch)
+        impl.forward(query, None, None, cache, md, out)
+    placed = {k: list(v) for k, v in part.attention._shared._placed.items()}
+    for impl, cache in layers:
+        impl.forward(query, None, None, cache, md, out)
+    shared = [impl._layer_launch_args(query.device, cache) for impl, cache in layers]
+    assert shared[0].attention is shared[1].attention and shared[0].reduce is shared[1].reduce
+    # the step's group was placed once, and its layout is the one both layers found
+    assert {k: list(v) for k, v in part.attention._shared._placed.items()} == placed
+    (last,) = part.attention._shared._last.values()
+    assert last[0] == (shared[0].attention,)
+    for kernel in (part.attention.kernel, part.reduce.kernel):
+        params = _source_params(kernel)
+        runs = compiled[kernel].ran[-2:]  # the second round: layer 0, then layer 1
+        for (layer_impl, layer_cache), (_, _, args) in zip(layers, runs, strict=True):
+            sinks = args[params.index["Sinks"]]
+            assert sinks == layer_impl._layer_args(query.device)[0]["Sinks"].data_ptr()
+            if "KCache" in params.index:
+                k_view, _ = layer_impl.layout().logical(layer_cache, spec)
+                assert args[params.index["KCache"]] == k_view.data_ptr()
 
 
 @NEEDS_INTERPRETER

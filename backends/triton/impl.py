@@ -144,8 +144,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             )
         # the forward's own arguments, the same names in every kernel (strides checked),
         # specialised once for all of the forward's launches
-        attention_call = CallArgs(call_args(query, output))
-        reduce_call = None
+        forward_args = call_args(query, output)
+        gluon_call = portable_call = reduce_call = None
         # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
         gluon_layer = None
         if any(part.gluon is not None for part in md.parts):
@@ -153,16 +153,21 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         layer_args = None
         for index, part in enumerate(md.parts):
             if part.gluon is not None and gluon_layer is not None:
-                yield index, part.gluon.template, (gluon_layer,), attention_call
+                if gluon_call is None:
+                    gluon_call = CallArgs(forward_args)
+                yield index, part.gluon.template, (gluon_layer,), gluon_call
                 continue
             if layer_args is None:
                 layer_args = self._layer_launch_args(query.device, kv_cache)
-            attention, reduce = layer_args
-            yield index, part.attention, (attention,), attention_call
+                # the layer's tensors go with the forward's: the layer's other arguments
+                # are then one group that every layer of its shape shares
+                portable_call = CallArgs(forward_args, fixed=layer_args.tensors)
+            assert portable_call is not None
+            yield index, part.attention, (layer_args.attention,), portable_call
             if part.reduce is not None:
                 if reduce_call is None:
-                    reduce_call = attention_call.subset(("Out", "stride_ot", "stride_oh"))
-                yield index, part.reduce, (reduce,), reduce_call
+                    reduce_call = portable_call.subset(layer_args.reduce_call_names)
+                yield index, part.reduce, (layer_args.reduce,), reduce_call
 
     # -- per layer, computed once -----------------------------------------------------
 
@@ -184,9 +189,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             )
         return args
 
-    def _layer_launch_args(
-        self, device: torch.device, kv_cache: torch.Tensor
-    ) -> tuple[LaunchArgs, LaunchArgs]:
+    def _layer_launch_args(self, device: torch.device, kv_cache: torch.Tensor) -> _LayerArgs:
         """The layer's arguments of the attention and reduction launches over
         ``kv_cache`` (once per cache, with its views)."""
         k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
@@ -194,9 +197,25 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         assert memo is not None
         if memo.launch_args is None or memo.launch_args[0] != device:
             attention_args, reduce_args = self._layer_args(device)
-            attention = {**attention_args, **cache_strides, "KCache": k_cache, "VCache": v_cache}
-            memo.launch_args = (device, LaunchArgs(attention), LaunchArgs(reduce_args))
-        return memo.launch_args[1], memo.launch_args[2]
+            tensors = {"KCache": k_cache, "VCache": v_cache}
+            for name in ("Sinks", "AlibiSlopes"):
+                if name in attention_args:
+                    tensors[name] = attention_args[name]
+            attention = {
+                **{k: v for k, v in attention_args.items() if k not in tensors},
+                **cache_strides,
+            }
+            reduce = {k: v for k, v in reduce_args.items() if k not in tensors}
+            memo.launch_args = (
+                device,
+                _LayerArgs(
+                    _shared_group(attention),
+                    _shared_group(reduce),
+                    CallArgs(tensors),
+                    ("Out", "stride_ot", "stride_oh", *(n for n in reduce_args if n in tensors)),
+                ),
+            )
+        return memo.launch_args[1]
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """K and V views of ``kv_cache`` (from the layout, derived once per cache) and
@@ -298,5 +317,37 @@ class _CacheViews:
     # the Gluon kernel's layer arguments with its descriptors over this cache (None:
     # TMA cannot read it), made on its first Gluon step
     gluon: object = _UNSET
-    # (device, the attention's and the reduction's layer arguments over these views)
-    launch_args: tuple[torch.device, LaunchArgs, LaunchArgs] | None = None
+    # (device, the layer's arguments over these views)
+    launch_args: tuple[torch.device, _LayerArgs] | None = None
+
+
+@dataclass(frozen=True)
+class _LayerArgs:
+    """A layer's part of the portable kernels' launches over one cache: its scalars,
+    flags and cache strides (one group per value, shared by every layer of the same
+    shape: ``_shared_group``), and its tensors (the cache views, sinks, ALiBi slopes),
+    which each forward passes with its own arguments."""
+
+    attention: LaunchArgs
+    reduce: LaunchArgs
+    tensors: CallArgs
+    reduce_call_names: tuple[str, ...]  # the merge's per-call arguments
+
+
+# the layers' shared argument groups by value (``_shared_group``)
+_SHARED_GROUPS: dict[tuple, LaunchArgs] = {}
+_SHARED_GROUPS_MAX = 256
+
+
+def _shared_group(values: dict[str, Any]) -> LaunchArgs:
+    """One ``LaunchArgs`` for every layer whose ``values`` (scalars, flags, strides) are
+    equal: a step's launch is laid out once per group after its own
+    (``dispatch._layout``), so the layers of a model, which share them, share that
+    layout, and each forward fills in only its tensors and the query's."""
+    key = tuple((name, type(value), value) for name, value in values.items())  # True != 1
+    group = _SHARED_GROUPS.get(key)
+    if group is None:
+        if len(_SHARED_GROUPS) >= _SHARED_GROUPS_MAX:
+            _SHARED_GROUPS.clear()
+        group = _SHARED_GROUPS[key] = LaunchArgs(values)
+    return group

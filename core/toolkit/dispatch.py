@@ -23,8 +23,12 @@ call each tensor's ``data_ptr()`` and ask the driver whether the address is a de
 pointer (``cuPointerGetAttribute``), ~0.5 us per tensor argument, 10-20 us for a kernel
 of 30 tensors. The contract's forward checks that every tensor is on the query's device
 before a launch, which is what the driver's check caught. A launch's arguments are laid
-out once per (step, layer) pair of groups; a call fills in only its own, found once
-for all of a forward's launches (``CallArgs``).
+out from the first group's (a step's, placed once per kernel) and the later groups'
+(``_layout``, kept for the groups the step last launched with); a call fills in only
+its own, found once for all of a forward's launches (``CallArgs``). The triton backend
+passes a layer's tensors with the call's, so that every layer of one shape shares one
+group of the rest and a step's layers one layout (a layout per layer and step was made
+anew at every layer's forward in serving).
 
 The launch itself goes to Triton's C launcher directly where its Python wrapper would
 only pass the arguments on (no scratch memory to allocate), and without the launch's
@@ -203,13 +207,15 @@ class LaunchArgs:
     views and scalars), specialised once per kernel. Launch options (num_warps, ...)
     may be among them. The values must not change after the first launch."""
 
-    __slots__ = ("_bound", "_layouts", "values")
+    __slots__ = ("_bound", "_last", "_placed", "values")
 
     def __init__(self, values: Mapping[str, Any]) -> None:
         self.values = values
         self._bound: dict[int, tuple[int, tuple[tuple[int, Any], ...]] | None] = {}
-        # a launch's arguments laid out, by (kernel, the groups after this one): _layout
-        self._layouts: dict[tuple[int, ...], tuple[tuple[LaunchArgs, ...], Any]] = {}
+        # every parameter of a kernel, this group's values in place, defaults elsewhere
+        self._placed: dict[int, list[Any]] = {}
+        # by kernel: the groups after this one last launched with it, and their layout
+        self._last: dict[int, tuple[tuple[LaunchArgs, ...], Any]] = {}
 
     def bound(self, kernel: Any, params: _Params) -> tuple[int, tuple[tuple[int, Any], ...]] | None:
         """(key id, (parameter index, value) pairs) for ``kernel``; None when a value
@@ -241,18 +247,41 @@ class LaunchArgs:
         self._bound[key] = found
         return found
 
+    def placed(self, kernel: Any, params: _Params) -> list[Any]:
+        """Every parameter of ``kernel`` in order: this group's values in place, the
+        defaults elsewhere (not to be changed: copied by each layout). The group must be
+        keyed (``bound``)."""
+        args = self._placed.get(id(kernel))
+        if args is None:
+            bound = self.bound(kernel, params)
+            assert bound is not None
+            args = self._placed[id(kernel)] = list(params.defaults)
+            for i, value in bound[1]:
+                args[i] = value
+        return args
+
 
 class CallArgs:
     """A call's own arguments (a forward's query, output and their strides) with each
-    one's specialisation and launch value, found once for every launch that takes them."""
+    one's specialisation and launch value, found once for every launch that takes them.
+    ``fixed``: arguments found once for many calls, appended (a layer's cache views:
+    passed per call so that every layer of a step shares one layout, ``_layout``)."""
 
-    __slots__ = ("_mapping", "_source", "key", "names", "specs", "values")
+    __slots__ = ("_fixed", "_mapping", "_source", "key", "names", "specs", "values")
 
-    def __init__(self, mapping: Mapping[str, Any]) -> None:
+    def __init__(self, mapping: Mapping[str, Any], fixed: CallArgs | None = None) -> None:
         self._mapping: Mapping[str, Any] | None = mapping
-        self._source: Mapping[str, Any] | None = None
+        # where ``mapping`` finds the arguments: the call's own (with ``_fixed``'s), or
+        # the call a subset was picked from
+        self._source: Mapping[str, Any] | CallArgs | None = None
+        self._fixed = fixed
         self.names = tuple(mapping)
         self.specs, self.values = zip(*map(call_entry, mapping.values())) if mapping else ((), ())
+        if fixed is not None:
+            self._mapping, self._source = None, mapping
+            self.names += fixed.names
+            self.specs += fixed.specs
+            self.values += fixed.values
         self.key = _call_key(self.names, self.specs)
 
     @property
@@ -262,6 +291,10 @@ class CallArgs:
         if self._mapping is None:
             source = self._source
             assert source is not None
+            if isinstance(source, CallArgs):
+                source = source.mapping
+            elif self._fixed is not None:
+                source = {**source, **self._fixed.mapping}
             self._mapping = {n: source[n] for n in self.names}
         return self._mapping
 
@@ -274,7 +307,7 @@ class CallArgs:
             found = _SUBSETS[(self.key, names)] = (index, key)
         index, key = found
         picked = object.__new__(CallArgs)
-        picked._mapping, picked._source = None, self.mapping
+        picked._mapping, picked._source, picked._fixed = None, self, None
         picked.names, picked.key = names, key
         picked.specs = tuple(self.specs[i] for i in index)
         picked.values = tuple(self.values[i] for i in index)
@@ -337,28 +370,28 @@ def _layout(
 ) -> tuple[tuple[int, ...], list[Any], _Params] | None:
     """(the shared groups' key, every parameter of ``kernel`` in order with the groups'
     values in place and the defaults elsewhere, its parameters), or None when the groups
-    cannot be keyed. Kept by the first group (a step's, which lives as long as the step)
-    for the groups after it (a layer's), so a call looks it up once and copies it."""
-    first = shared[0]
-    layout_key = (id(kernel), *map(id, shared[1:]))
-    hit = first._layouts.get(layout_key)
-    if hit is not None:
-        rest, layout = hit
-        for kept, given in zip(rest, shared[1:]):
-            if kept is not given:  # an id reused by a new group
+    cannot be keyed. The first group (a step's) places its values once per kernel; the
+    later ones' (a layer's, a few) are filled in when they change. A step's layers each
+    launch with it in turn, so the first group keeps only the last layout (which a
+    layer's several launches of the step, or a repeated forward, find again)."""
+    first, rest = shared[0], tuple(shared[1:])
+    last = first._last.get(id(kernel))
+    if last is not None and len(last[0]) == len(rest):
+        for kept, given in zip(last[0], rest):
+            if kept is not given:
                 break
         else:
-            return layout
+            return last[1]
     params = _params(kernel)
     bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
     layout = None
     if params is not None and None not in bound:
-        args = list(params.defaults)
-        for b in bound:
+        args = first.placed(kernel, params).copy()
+        for b in bound[1:]:
             for i, value in b[1]:
                 args[i] = value
         layout = ((id(kernel), *(b[0] for b in bound)), args, params)
-    first._layouts[layout_key] = (tuple(shared[1:]), layout)
+    first._last[id(kernel)] = (rest, layout)
     return layout
 
 
