@@ -19,7 +19,7 @@ on the spot (``StepPlan.fallback``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from pagedkv.graph import GraphBounds
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.dispatch import LaunchArgs
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups, shared_group
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.launch import KernelLaunch, programmatic_capability
 from pagedkv.toolkit.triton_helpers import LOG2E
@@ -175,12 +175,13 @@ class StepPlan:
             kwargs = dict(template.kwargs)
             for group in groups:
                 kwargs.update(group.values)
-            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **call}))
+            given = call.mapping if isinstance(call, CallArgs) else call
+            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **given}))
         return launches
 
     def _parts(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
-    ) -> list[tuple[KernelLaunch, tuple[LaunchArgs, ...], dict[str, Any]]]:
+    ) -> list[tuple[KernelLaunch, tuple[LaunchArgs, ...], Mapping[str, Any] | CallArgs]]:
         """Each launch: its step template, the layer's groups, the forward's arguments."""
         if self.attention.grid[0] == 0:
             return []
@@ -198,7 +199,8 @@ class StepPlan:
             call.update(MidO=out, MidLse=out)
         # one query token per request: its causal limit is the sequence's end
         causal = layer.causal and self.multi_token
-        parts = [(self.attention, (layer.attention_group(causal),), call)]
+        group, own = layer.attention_group(causal)
+        parts = [(self.attention, (group,), CallArgs(call, fixed=own))]
         if self.reduce is not None:
             parts.append((self.reduce, (layer.reduce_group(),), output))
         return parts
@@ -329,6 +331,11 @@ def reduce_shape(
 # -- a layer's arguments ------------------------------------------------------------------
 
 
+# a layer's own attention arguments (its cache, or descriptors of it): passed with each
+# forward's, so that the rest is a group every layer of equal values shares
+_LAYER_OWN = ("Cache", "KVDesc", "PEDesc", "half_desc", "rope_desc")
+
+
 @dataclass(frozen=True)
 class LayerArgs:
     """A layer's launch arguments: its cache (the tensor and its strides, or TMA
@@ -338,21 +345,26 @@ class LayerArgs:
     out_scale: float  # k_scale for an fp8 cache (V is the stored latent), else 1
     causal: bool
     # the launch groups made of them (``attention_group``, ``reduce_group``)
-    _groups: dict[Any, LaunchArgs] = field(default_factory=dict, compare=False, repr=False)
+    _groups: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    def attention_group(self, causal: bool) -> LaunchArgs:
+    def attention_group(self, causal: bool) -> tuple[LaunchArgs, CallArgs]:
         """The attention kernel's layer arguments, with ``CAUSAL`` (the layer's causality
-        where the step has multi-token requests), specialised once."""
-        group = self._groups.get(causal)
-        if group is None:
-            group = self._groups[causal] = LaunchArgs({**self.attention, "CAUSAL": causal})
-        return group
+        where the step has multi-token requests): the group shared by every layer of
+        equal scalars and strides, and the layer's cache or descriptors as fixed call
+        arguments (``dispatch.layer_groups``), found once."""
+        found = self._groups.get(causal)
+        if found is None:
+            found = self._groups[causal] = layer_groups(
+                {**self.attention, "CAUSAL": causal}, own=_LAYER_OWN
+            )
+        return found
 
     def reduce_group(self) -> LaunchArgs:
-        """The reduction's layer argument (the output's scale), specialised once."""
+        """The reduction's layer argument (the output's scale), one group for every layer
+        of that scale."""
         group = self._groups.get("reduce")
         if group is None:
-            group = self._groups["reduce"] = LaunchArgs({"out_scale": self.out_scale})
+            group = self._groups["reduce"] = shared_group({"out_scale": self.out_scale})
         return group
 
 

@@ -27,7 +27,7 @@ from pagedkv.backends.triton.gluon_plan import (
 )
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
 
@@ -197,22 +197,16 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         assert memo is not None
         if memo.launch_args is None or memo.launch_args[0] != device:
             attention_args, reduce_args = self._layer_args(device)
-            tensors = {"KCache": k_cache, "VCache": v_cache}
-            for name in ("Sinks", "AlibiSlopes"):
-                if name in attention_args:
-                    tensors[name] = attention_args[name]
-            attention = {
-                **{k: v for k, v in attention_args.items() if k not in tensors},
-                **cache_strides,
-            }
-            reduce = {k: v for k, v in reduce_args.items() if k not in tensors}
+            attention, tensors = layer_groups(
+                {**attention_args, **cache_strides, "KCache": k_cache, "VCache": v_cache},
+                own=_LAYER_TENSORS,
+            )
+            reduce, _ = layer_groups(reduce_args, own=_LAYER_TENSORS)
+            own_reduce = tuple(n for n in reduce_args if n in _LAYER_TENSORS)
             memo.launch_args = (
                 device,
                 _LayerArgs(
-                    _shared_group(attention),
-                    _shared_group(reduce),
-                    CallArgs(tensors),
-                    ("Out", "stride_ot", "stride_oh", *(n for n in reduce_args if n in tensors)),
+                    attention, reduce, tensors, ("Out", "stride_ot", "stride_oh", *own_reduce)
                 ),
             )
         return memo.launch_args[1]
@@ -321,33 +315,18 @@ class _CacheViews:
     launch_args: tuple[torch.device, _LayerArgs] | None = None
 
 
+# a layer's own arguments of the portable kernels: passed with each forward's
+_LAYER_TENSORS = ("KCache", "VCache", "Sinks", "AlibiSlopes")
+
+
 @dataclass(frozen=True)
 class _LayerArgs:
     """A layer's part of the portable kernels' launches over one cache: its scalars,
-    flags and cache strides (one group per value, shared by every layer of the same
-    shape: ``_shared_group``), and its tensors (the cache views, sinks, ALiBi slopes),
+    flags and cache strides (a group shared by every layer of equal values:
+    ``dispatch.layer_groups``), and its tensors (the cache views, sinks, ALiBi slopes),
     which each forward passes with its own arguments."""
 
     attention: LaunchArgs
     reduce: LaunchArgs
     tensors: CallArgs
     reduce_call_names: tuple[str, ...]  # the merge's per-call arguments
-
-
-# the layers' shared argument groups by value (``_shared_group``)
-_SHARED_GROUPS: dict[tuple, LaunchArgs] = {}
-_SHARED_GROUPS_MAX = 256
-
-
-def _shared_group(values: dict[str, Any]) -> LaunchArgs:
-    """One ``LaunchArgs`` for every layer whose ``values`` (scalars, flags, strides) are
-    equal: a step's launch is laid out once per group after its own
-    (``dispatch._layout``), so the layers of a model, which share them, share that
-    layout, and each forward fills in only its tensors and the query's."""
-    key = tuple((name, type(value), value) for name, value in values.items())  # True != 1
-    group = _SHARED_GROUPS.get(key)
-    if group is None:
-        if len(_SHARED_GROUPS) >= _SHARED_GROUPS_MAX:
-            _SHARED_GROUPS.clear()
-        group = _SHARED_GROUPS[key] = LaunchArgs(values)
-    return group

@@ -314,6 +314,35 @@ class CallArgs:
         return picked
 
 
+# groups of equal values, one object each (``shared_group``)
+_SHARED_GROUPS: dict[tuple, LaunchArgs] = {}
+_SHARED_GROUPS_MAX = 256
+
+
+def shared_group(values: Mapping[str, Any]) -> LaunchArgs:
+    """One ``LaunchArgs`` for every caller whose ``values`` are equal (by type and value;
+    hashable values only: a layer's scalars, flags and strides). A launch is laid out
+    once for its first group and the groups after it (``_layout``), so the layers of a
+    model, which share these, share the layout of a step's launches."""
+    key = tuple((name, type(value), value) for name, value in values.items())  # True != 1
+    group = _SHARED_GROUPS.get(key)
+    if group is None:
+        if len(_SHARED_GROUPS) >= _SHARED_GROUPS_MAX:
+            _SHARED_GROUPS.clear()
+        group = _SHARED_GROUPS[key] = LaunchArgs(values)
+    return group
+
+
+def layer_groups(values: Mapping[str, Any], own: Sequence[str]) -> tuple[LaunchArgs, CallArgs]:
+    """A layer's launch arguments as (a group shared by every layer of equal values, the
+    layer's ``own`` ones, its tensors and descriptors, as fixed call arguments): each
+    forward passes those with its own (``CallArgs(..., fixed=)``), found once here."""
+    return (
+        shared_group({k: v for k, v in values.items() if k not in own}),
+        CallArgs({k: values[k] for k in own if k in values}),
+    )
+
+
 # calls' (names, specialisations), interned to small ints like the shared groups' keys
 # (a forward's launches then look their variants up by a few ints)
 _CALL_KEYS: dict[tuple, int] = {}
