@@ -6,8 +6,8 @@ path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU: 
 layer's repeated, a step's first, and a step's through 16 layers (what an eager engine
 pays per layer).
 
-    python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda]
-    TRITON_INTERPRET=1 python benchmarks/build_overhead.py --forward
+    python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda] [--sms N]
+    TRITON_INTERPRET=1 python benchmarks/build_overhead.py --forward [--sms N]
 
 Host time only: the checks read the metadata's CPU copies and never sync the device.
 Medians of repeated calls (``time.thread_time``, so other processes on the machine
@@ -151,7 +151,14 @@ def main() -> None:
     p.add_argument("--backends", default="torch")
     p.add_argument("--device", default="cpu")
     p.add_argument("--forward", action="store_true", help="a triton forward's Python instead")
+    p.add_argument(
+        "--sms", type=int, help="the triton builder plans for this many SMs (an H200: 132)"
+    )
     args = p.parse_args()
+    if args.sms:  # the CPU stands in 4 SMs, under which few steps split
+        import pagedkv.backends.triton.builder as triton_builder
+
+        triton_builder.num_sms = lambda device: args.sms
     if args.forward:
         forward_overhead()
         return
