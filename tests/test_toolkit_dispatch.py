@@ -211,6 +211,18 @@ def _two_forwards(monkeypatch, forward, launches: int) -> None:
         assert ran == expected, kernel
 
 
+def _contiguous_step(seq_lens: list[int], query_lens: list[int], block_size: int = 16):
+    """(a step whose requests' blocks follow each other from block 1, the blocks its
+    cache needs)."""
+    from pagedkv import CommonAttentionMetadata
+
+    tables, first = [], 1
+    for n in seq_lens:
+        tables.append(list(range(first, first + -(-n // block_size))))
+        first += len(tables[-1])
+    return CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, block_size), first
+
+
 NEEDS_INTERPRETER = pytest.mark.skipif(
     not interpreting(),
     reason="plans a CPU step, which needs Triton's interpreter (a GPU host runs "
@@ -223,16 +235,12 @@ def test_a_direct_launch_passes_what_tritons_dispatch_binds(monkeypatch):
     """The triton backend's real launches (a mixed step: split decodes and a chunk, each
     an attention and a reduction)."""
     import pagedkv
-    from pagedkv import AttentionSpec, CommonAttentionMetadata
+    from pagedkv import AttentionSpec
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
                          block_size=16)  # fmt: skip
     seq_lens, query_lens = [4000, 40, 900, 3000], [1, 1, 1, 64]
-    tables, first = [], 1
-    for n in seq_lens:
-        tables.append(list(range(first, first + -(-n // 16))))
-        first += len(tables[-1])
-    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    common, first = _contiguous_step(seq_lens, query_lens)
     backend = pagedkv.get_backend("triton")
     md = backend.make_builder(spec, "cpu").build(common)
     assert len(md.parts) == 2 and all(p.reduce is not None for p in md.parts), md.describe()
@@ -253,16 +261,12 @@ def test_a_steps_layers_share_its_layout_and_launch_their_own_tensors(monkeypatc
     one group of layer arguments, so the step's launches are laid out once for both,
     and each layer's direct launches pass its own cache views and sinks."""
     import pagedkv
-    from pagedkv import AttentionSpec, CommonAttentionMetadata
+    from pagedkv import AttentionSpec
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
                          block_size=16, use_sinks=True)  # fmt: skip
     seq_lens, query_lens = [4000, 40, 900], [1, 1, 1]
-    tables, first = [], 1
-    for n in seq_lens:
-        tables.append(list(range(first, first + -(-n // 16))))
-        first += len(tables[-1])
-    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    common, first = _contiguous_step(seq_lens, query_lens)
     backend = pagedkv.get_backend("triton")
     md = backend.make_builder(spec, "cpu").build(common, num_splits=3)
     (part,) = md.parts
@@ -314,16 +318,12 @@ def test_a_direct_mla_launch_passes_what_tritons_dispatch_binds(monkeypatch, opt
     """The MLA backend's launches: one split (the attention alone, its partials' pointers
     the output) or three (attention and reduction), the layer's group (the cache, its
     descriptors or strides, CAUSAL) and the forward's arguments."""
-    from pagedkv import AttentionSpec, CommonAttentionMetadata
+    from pagedkv import AttentionSpec
 
     spec = AttentionSpec(num_heads=32, num_kv_heads=1, head_size=80, dtype=torch.float16,
                          block_size=16, scale=0.3, kv_lora_rank=64, qk_rope_head_dim=16)  # fmt: skip
     seq_lens, query_lens = [1200, 30, 600], [1, 4, 1]
-    tables, first = [], 1
-    for n in seq_lens:
-        tables.append(list(range(first, first + -(-n // 16))))
-        first += len(tables[-1])
-    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, tables, 16)
+    common, first = _contiguous_step(seq_lens, query_lens)
     from pagedkv.backends.mla import MLABackend
 
     backend = MLABackend(**options)
