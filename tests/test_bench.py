@@ -97,6 +97,7 @@ def test_on_a_gpu_every_timing_column_is_measured():
             "eager_us",
             "steady_us",
             "launch_us",
+            "layer_us",
             "build_us",
             "graph_us",
             "graph_flushed_us",
@@ -236,3 +237,26 @@ def test_graph_context_reserves_graphs_for_longer_contexts_than_the_step(capsys)
     assert _bounds(problem, 1) == own  # shorter than the step: the step's own
     assert main(["bench", "--device", "cpu", "--graph-context", "0", "--workloads", "tiny-decode"])
     assert "--graph-context 0: expected a positive token count" in capsys.readouterr().err
+
+
+def test_layer_time_runs_every_layer_over_each_steps_own_build():
+    """``layer_us``: a warm-up step, then each timed step one new build whose metadata
+    every layer's call gets, per layer the host's time."""
+    from pagedkv.bench.timing import layer_us
+
+    builds, calls = [], []
+
+    def build():
+        builds.append(object())
+        return builds[-1]
+
+    layers = [lambda md, i=i: calls.append((i, md)) for i in range(3)]
+    us = layer_us(build, layers, torch.device("cpu"), steps=4)
+    assert us > 0
+    # the warm-up builds once a layer; each of the 4 steps builds once for all 3 layers
+    assert len(builds) == 3 + 4 and len(calls) == 3 * 5
+    timed = calls[3:]
+    for step in range(4):
+        got = timed[3 * step : 3 * step + 3]
+        assert [i for i, _ in got] == [0, 1, 2]
+        assert all(md is builds[3 + step] for _, md in got)

@@ -8,11 +8,11 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from pagedkv.bench.profile import describe_kernels
-from pagedkv.bench.runners import Row
+from pagedkv.bench.runners import STEP_LAYERS, Row
 from pagedkv.textutil import format_table
 
 HEADERS = [
-    "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "write us", "build us", "GB/s", "%copy",
+    "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "layer us", "write us", "build us", "GB/s", "%copy",
     "TFLOP/s", "vs base", "max|diff|", "config",
 ]  # fmt: skip
 
@@ -35,7 +35,7 @@ def row_cells(r: Row, floor_us: float | None = None) -> list[str]:
     config = " ".join(f"{k}={v}" for k, v in r.config.items() if k != "backend")
     return [
         r.workload, r.impl, _fmt(r.eager_us, ".1f"), _fmt(r.steady_us, ".1f"), _fmt(r.graph_us, ".1f"),
-        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _launch_cell(r.launch_us, floor_us), _fmt(r.write_us, ".1f"), _fmt(r.build_us, ".1f"),
+        _fmt(r.graph_flushed_us, ".1f"), _fmt(r.host_us, ".1f"), _launch_cell(r.launch_us, floor_us), _fmt(r.layer_us, ".1f"), _fmt(r.write_us, ".1f"), _fmt(r.build_us, ".1f"),
         _fmt(r.gbps, ".0f"),
         _fmt(r.pct_copy, ".1f"), _fmt(r.tflops, ".1f"), _fmt(r.vs_baseline, ".2f"),
         _fmt(r.max_abs_diff, ".1e"), config,
@@ -87,7 +87,9 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "call replayed from a CUDA graph captured through `reserve_cuda_graph`; `flushed`: "
         "those replays with the L2 flushed before each, as eager calls); `host` = eager - "
         "graph; `launch` = the host's time to enqueue one eager call (in brackets: as a multiple of "
-        "the host floor, comparable across machines); `vs base` = the baseline's best time / this row's best time (> 1: faster); "
+        "the host floor, comparable across machines); `layer` = the host's time to enqueue a layer's "
+        f"eager call in a step of {STEP_LAYERS} layers, a new build each step (what an eager step pays a layer, "
+        "where `launch` repeats one layer over one step); `vs base` = the baseline's best time / this row's best time (> 1: faster); "
         "`max|diff|` against the torch backend (fp32 maths; MLA layers: the float64 reference "
         "over the latent rows).",
     ]

@@ -3,6 +3,7 @@ CUDA graphs through ``reserve_cuda_graph``), or a raw library call on the same d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from pagedkv.bench.problem import BenchProblem, fill_cache
 from pagedkv.bench.profile import KernelProfile, KernelTime, host_functions
 from pagedkv.bench.timing import (
     launch_us,
+    layer_us,
     steady_us,
     synchronize,
     time_graph_flushed_us,
@@ -35,6 +37,9 @@ class Row:
     # the graph's replay with the L2 flushed before each, as eager calls are timed
     graph_flushed_us: float | None = None
     launch_us: float | None = None  # GPU: host time to enqueue one eager call
+    # pagedkv only, GPU: the host's time to enqueue a layer's eager call in a step of
+    # ``STEP_LAYERS`` layers (a new build each step, each layer its own impl)
+    layer_us: float | None = None
     write_us: float | None = None  # pagedkv only: impl.write_kv of the step's new K/V
     # pagedkv only: the host's time of builder.build for the step (once a step for all
     # the layers of a KV-cache group; ``launch_us``'s method: calls back to back)
@@ -66,6 +71,10 @@ class Row:
         if self.eager_us is None or self.graph_us is None:
             return None
         return self.eager_us - self.graph_us
+
+
+# the layers of the step ``Row.layer_us`` times (a model's, e.g. an 8B's 32)
+STEP_LAYERS = 32
 
 
 def _bounds(problem: BenchProblem, graph_context: int | None = None) -> GraphBounds:
@@ -134,6 +143,15 @@ def run_pagedkv(
         synchronize(device)
         result = out.clone()
         time_eager(row, attend, device, profile)
+        if device.type == "cuda":  # (a CPU's interpreted kernels would take minutes)
+            # a model's layers over one cache (their host time only: every layer reads it)
+            impls = [impl, *(backend.make_impl(spec) for _ in range(STEP_LAYERS - 1))]
+            row.layer_us = layer_us(
+                lambda: timed_builder.build(problem.common),
+                [functools.partial(i.forward, problem.query, None, None, kv_cache, output=out)
+                 for i in impls],
+                device,
+            )  # fmt: skip
         support = backend.capabilities.graph_support
         if graph and device.type == "cuda" and support.allows(max(problem.workload.query_lens)):
             builder = backend.make_builder(spec, device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,31 @@ def launch_us(fn: Callable[[], Any], device: torch.device, calls: int = 50) -> f
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls)
+    synchronize(device)
+    return 1e6 * statistics.median(samples)
+
+
+def layer_us(
+    build: Callable[[], Any],
+    layers: Sequence[Callable[[Any], Any]],
+    device: torch.device,
+    steps: int = 5,
+) -> float:
+    """Host time to enqueue one layer's eager call in a step of ``len(layers)`` layers
+    (median of ``steps`` steps, per layer): each step a new ``build()``, then every
+    layer's call over its metadata, back to back without a sync. What an eager engine
+    pays a layer, where ``launch_us`` repeats one layer's call over one step (a step's
+    first call, and each layer's first of the step, may do what a repeat finds done)."""
+    for run in layers:  # the variants compiled, every layer's arguments found
+        run(build())
+    samples = []
+    for _ in range(steps):
+        metadata = build()
+        synchronize(device)
+        start = time.perf_counter()
+        for run in layers:
+            run(metadata)
+        samples.append((time.perf_counter() - start) / len(layers))
     synchronize(device)
     return 1e6 * statistics.median(samples)
 
