@@ -82,9 +82,9 @@ def test_second_call_skips_the_dispatch_with_every_argument_in_place():
 
 
 def test_a_layer_group_swapped_in_lays_the_arguments_out_again():
-    """The step's group keeps the layout of the groups it last launched with: another
+    """The step's group keeps a layout per combination of the groups after it: another
     layer's group (or another cache's) with the same specialisation puts its own values
-    in place, and the first group's again."""
+    in place."""
     kernel, x = _Kernel(), torch.zeros(8)
     step = LaunchArgs({"stride": 3})
     ran = []
@@ -296,8 +296,8 @@ def test_a_steps_layers_share_its_layout_and_launch_their_own_tensors(monkeypatc
     assert shared[0].attention is shared[1].attention and shared[0].reduce is shared[1].reduce
     # the step's group was placed once, and its layout is the one both layers found
     assert {k: list(v) for k, v in part.attention._shared._placed.items()} == placed
-    (last,) = part.attention._shared._last.values()
-    assert last[0] == (shared[0].attention,)
+    (layout,) = part.attention._shared._layouts.values()  # one for both layers
+    assert layout[0] == (shared[0].attention,)
     for kernel in (part.attention.kernel, part.reduce.kernel):
         params = _source_params(kernel)
         runs = compiled[kernel].ran[-2:]  # the second round: layer 0, then layer 1
@@ -307,6 +307,42 @@ def test_a_steps_layers_share_its_layout_and_launch_their_own_tensors(monkeypatc
             if "KCache" in params.index:
                 k_view, _ = layer_impl.layout().logical(layer_cache, spec)
                 assert args[params.index["KCache"]] == k_view.data_ptr()
+
+
+@NEEDS_INTERPRETER
+def test_alternating_kinds_of_layer_keep_a_layout_each(monkeypatch):
+    """A sliding window every other layer (one plan serves both kinds): the step keeps
+    one layout per kind, and each layer's launch passes its own window."""
+    import dataclasses
+
+    import pagedkv
+    from pagedkv import AttentionSpec
+
+    full = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
+                         block_size=16)  # fmt: skip
+    windowed = dataclasses.replace(full, sliding_window=64)
+    common, blocks = _contiguous_step([700, 40, 300], [1, 1, 1])
+    backend = pagedkv.get_backend("triton")
+    md = backend.make_builder(full, "cpu").build(common)
+    layers = [
+        (backend.make_impl(spec), backend.allocate_kv_cache(blocks, spec, "cpu"))
+        for spec in (full, windowed, full, windowed)
+    ]
+    query = torch.randn(common.num_actual_tokens, 8, 32).half()
+    out = torch.empty_like(query)
+    compiled = {}
+    monkeypatch.setattr(dispatch, "_params", _source_params)
+    monkeypatch.setattr(
+        dispatch, "_dispatch", lambda kernel, *a, **k: compiled.setdefault(kernel, _Compiled())
+    )
+    for _ in range(2):
+        for impl, cache in layers:
+            impl.forward(query, None, None, cache, md, out)
+    (part,) = md.parts
+    assert len(part.attention._shared._layouts) == 2
+    params = _source_params(part.attention.kernel)
+    runs = compiled[part.attention.kernel].ran[-4:]
+    assert [args[params.index["window"]] for _, _, args in runs] == [0, 64, 0, 64]
 
 
 @NEEDS_INTERPRETER

@@ -24,11 +24,11 @@ pointer (``cuPointerGetAttribute``), ~0.5 us per tensor argument, 10-20 us for a
 of 30 tensors. The contract's forward checks that every tensor is on the query's device
 before a launch, which is what the driver's check caught. A launch's arguments are laid
 out from the first group's (a step's, placed once per kernel) and the later groups'
-(``_layout``, kept for the groups the step last launched with); a call fills in only
-its own, found once for all of a forward's launches (``CallArgs``). The triton backend
-passes a layer's tensors with the call's, so that every layer of one shape shares one
-group of the rest and a step's layers one layout (a layout per layer and step was made
-anew at every layer's forward in serving).
+(``_layout``, kept per combination of them); a call fills in only its own, found once
+for all of a forward's launches (``CallArgs``). The triton and MLA backends pass a
+layer's tensors with the call's (``layer_groups``), so that every layer of equal
+scalars shares one group of the rest and a step's layers one layout (a layout per
+layer and step was made anew at every layer's forward in serving).
 
 The launch itself goes to Triton's C launcher directly where its Python wrapper would
 only pass the arguments on (no scratch memory to allocate), and without the launch's
@@ -207,15 +207,15 @@ class LaunchArgs:
     views and scalars), specialised once per kernel. Launch options (num_warps, ...)
     may be among them. The values must not change after the first launch."""
 
-    __slots__ = ("_bound", "_last", "_placed", "values")
+    __slots__ = ("_bound", "_layouts", "_placed", "values")
 
     def __init__(self, values: Mapping[str, Any]) -> None:
         self.values = values
         self._bound: dict[int, tuple[int, tuple[tuple[int, Any], ...]] | None] = {}
         # every parameter of a kernel, this group's values in place, defaults elsewhere
         self._placed: dict[int, list[Any]] = {}
-        # by kernel: the groups after this one last launched with it, and their layout
-        self._last: dict[int, tuple[tuple[LaunchArgs, ...], Any]] = {}
+        # a launch's arguments laid out, by (kernel, the groups after this one): _layout
+        self._layouts: dict[tuple[int, ...], tuple[tuple[LaunchArgs, ...], Any]] = {}
 
     def bound(self, kernel: Any, params: _Params) -> tuple[int, tuple[tuple[int, Any], ...]] | None:
         """(key id, (parameter index, value) pairs) for ``kernel``; None when a value
@@ -399,18 +399,20 @@ def _layout(
 ) -> tuple[tuple[int, ...], list[Any], _Params] | None:
     """(the shared groups' key, every parameter of ``kernel`` in order with the groups'
     values in place and the defaults elsewhere, its parameters), or None when the groups
-    cannot be keyed. The first group (a step's) places its values once per kernel; the
-    later ones' (a layer's, a few) are filled in when they change. A step's layers each
-    launch with it in turn, so the first group keeps only the last layout (which a
-    layer's several launches of the step, or a repeated forward, find again)."""
+    cannot be keyed. The first group (a step's, which lives as long as the step) places
+    its values once per kernel and keeps a layout per combination of the groups after
+    it (a layer's): a model's layers of equal scalars share theirs (``layer_groups``),
+    so its layers find one layout, and alternating kinds of layer (a sliding window
+    every other layer) one each."""
     first, rest = shared[0], tuple(shared[1:])
-    last = first._last.get(id(kernel))
-    if last is not None and len(last[0]) == len(rest):
-        for kept, given in zip(last[0], rest):
-            if kept is not given:
+    layout_key = (id(kernel), *map(id, rest))
+    hit = first._layouts.get(layout_key)
+    if hit is not None:
+        for kept, given in zip(hit[0], rest):
+            if kept is not given:  # an id reused by a new group
                 break
         else:
-            return last[1]
+            return hit[1]
     params = _params(kernel)
     bound = [g.bound(kernel, params) for g in shared] if params is not None else [None]
     layout = None
@@ -420,7 +422,7 @@ def _layout(
             for i, value in b[1]:
                 args[i] = value
         layout = ((id(kernel), *(b[0] for b in bound)), args, params)
-    first._last[id(kernel)] = (rest, layout)
+    first._layouts[layout_key] = (rest, layout)
     return layout
 
 
