@@ -7,6 +7,7 @@ layer's repeated, a step's first, and a step's through 16 layers (what an eager 
 pays per layer).
 
     python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda] [--sms N]
+    TRITON_INTERPRET=1 python benchmarks/build_overhead.py --layer mla --backends mla [--sms N]
     TRITON_INTERPRET=1 python benchmarks/build_overhead.py --forward [--sms N]
 
 Host time only: the checks read the metadata's CPU copies and never sync the device.
@@ -31,15 +32,20 @@ from pagedkv.step_check import check_step
 SPEC = AttentionSpec(
     num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16
 )
+# --layer mla: a DeepSeek-style latent layer (128 heads, 512 + 64, pages of 64)
+MLA_SPEC = AttentionSpec(
+    num_heads=128, num_kv_heads=1, head_size=576, dtype=torch.float16, block_size=64,
+    scale=0.1, kv_lora_rank=512, qk_rope_head_dim=64,
+)  # fmt: skip
 
 
-def step(num_reqs: int, device: str) -> CommonAttentionMetadata:
-    blocks_per_req = 4096 // 16 + 1
+def step(num_reqs: int, device: str, block_size: int = 16) -> CommonAttentionMetadata:
+    blocks_per_req = 4096 // block_size + 1
     blocks = [
         list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)) for i in range(num_reqs)
     ]
     return CommonAttentionMetadata.from_requests(
-        [4096] * num_reqs, [1] * num_reqs, blocks, 16, device
+        [4096] * num_reqs, [1] * num_reqs, blocks, block_size, device
     )
 
 
@@ -152,13 +158,18 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--forward", action="store_true", help="a triton forward's Python instead")
     p.add_argument(
-        "--sms", type=int, help="the triton builder plans for this many SMs (an H200: 132)"
+        "--sms", type=int, help="the triton and MLA builders plan for this many SMs (an H200: 132)"
     )
+    p.add_argument(
+        "--layer", choices=("gqa", "mla"), default="gqa",
+        help="the build's layer: GQA (Hq 32 / Hkv 8 / D 128) or MLA (--backends mla)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.sms:  # the CPU stands in 4 SMs, under which few steps split
+        import pagedkv.backends.mla.builder as mla_builder
         import pagedkv.backends.triton.builder as triton_builder
 
-        triton_builder.num_sms = lambda device: args.sms
+        triton_builder.num_sms = mla_builder.num_sms = lambda device: args.sms
     if args.forward:
         forward_overhead()
         return
@@ -167,16 +178,18 @@ def main() -> None:
         f"{'requests':>8}  {'check_step us':>13}  "
         + "  ".join(f"{c + ' build us':>16}  {'(graph)':>8}" for c in configs)
     )
+    spec = MLA_SPEC if args.layer == "mla" else SPEC
+    bs = spec.block_size
     for n in (1, 64, 512):
-        common = step(n, args.device)
-        row = [f"{n:>8}", f"{median_us(lambda c=common: check_step(c, 16)):>13.1f}"]
+        common = step(n, args.device, bs)
+        row = [f"{n:>8}", f"{median_us(lambda c=common: check_step(c, bs)):>13.1f}"]
         for config in configs:
-            backend = pagedkv.select_backend(config, SPEC, args.device)
-            eager = backend.make_builder(SPEC, args.device)
+            backend = pagedkv.select_backend(config, spec, args.device)
+            eager = backend.make_builder(spec, args.device)
             row.append(f"{median_us(lambda c=common, b=eager: b.build(c), 500):>16.1f}")
             # under a CUDA-graph reservation that holds the step: what a captured
             # decode pays each step (the step staged into the graph's buffers)
-            graph = backend.make_builder(SPEC, args.device)
+            graph = backend.make_builder(spec, args.device)
             try:
                 graph.reserve_cuda_graph(GraphBounds(n, n, common.block_table.shape[1]))
             except UnsupportedError:  # no graph support declared

@@ -22,6 +22,7 @@ from pagedkv.backends.mla.work import (
     GraphGrid,
     WorkList,
     choose_ranges,
+    decode_tiles,
     fit_graph,
     graph_grid,
     merge_list,
@@ -121,12 +122,21 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             )  # fmt: skip
         else:
             # the step's own ranges (a CUDA-graph step's within the reservation's grid)
-            causal = spec.causal and common.max_query_len > 1
-            keys = tile_keys(tiles, query_lens, seq_lens, heads, cfg.block_m, causal)
             latent_bytes = (lora + spec.qk_rope_head_dim) * spec.cache_dtype.itemsize
+            tiles_each = decode_tiles(query_lens, heads, cfg.block_m)
+            if tiles_each:
+                # a decode step's tiles of one request see its every key: one entry a
+                # request, each standing for its tiles (the same estimates, a fraction
+                # of the rule's arrays)
+                keys, copies = seq_lens[query_lens > 0].astype(np.float64), tiles_each
+            else:
+                causal = spec.causal and common.max_query_len > 1
+                keys = tile_keys(tiles, query_lens, seq_lens, heads, cfg.block_m, causal)
+                copies = 1
             split = choose_ranges(
-                keys, self.num_sms, cfg.block_n, reduce_rows * slot_bytes, latent_bytes, grid
-            )
+                keys, self.num_sms, cfg.block_n, reduce_rows * slot_bytes, latent_bytes, grid,
+                copies=copies,
+            )  # fmt: skip
 
         def relist(keys_per_split: int) -> WorkList:
             return work_list(tiles, query_lens, seq_lens, keys_per_split, reduce_rows)

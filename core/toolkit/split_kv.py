@@ -138,7 +138,7 @@ class SplitPolicy:
         range_slots: int | None = None,
         key_ranges: bool = False,
         listed: bool = False,
-        max_programs: int | None = None,
+        max_programs: float | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
         min_keys_per_split: int | None = None,
@@ -184,7 +184,8 @@ class SplitPolicy:
 
         ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
         CUDA-graph grid sized once for every step; choices past it are not taken (one
-        program per entry always fits). ``merge_split_only``: the kernel writes the
+        program per entry always fits). Per copy, it may be a fraction (a grid of 100
+        programs for entries of 8 copies each holds 12.5 an entry's worth). ``merge_split_only``: the kernel writes the
         output of a sequence its ranges do not cut directly, so fixed ranges pay the
         reduction only for the programs they cut (``merge_keys_per_split`` being every
         program's share of it, once per range)."""
@@ -192,7 +193,7 @@ class SplitPolicy:
         limit = min(max_splits or self.max_splits, self.max_splits)
         even_limit = limit  # even shares split every entry alike
         if max_programs is not None:
-            even_limit = max(1, min(limit, max_programs // max(1, len(keys))))
+            even_limit = max(1, min(limit, int(max_programs // max(1, len(keys)))))
         split_slots = split_slots or slots
         floor = min_keys_per_split or self.min_keys_per_split
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
@@ -254,7 +255,7 @@ class SplitPolicy:
         merge_keys_per_split: float,
         copies: int,
         listed: bool,
-        max_programs: int | None = None,
+        max_programs: float | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
     ) -> tuple[SplitChoice, float]:

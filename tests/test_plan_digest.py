@@ -1,5 +1,5 @@
-"""benchmarks/triton_plan_digest.py: a step's record holds what decides its launches, and
-two records of different plans compare unequal."""
+"""benchmarks/plan_digest.py: a step's record holds what decides its launches (the
+triton and MLA backends), and two records of different plans compare unequal."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from pathlib import Path
 import pagedkv
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_plan_digest.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_digest.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    return runpy.run_path(str(SCRIPT), run_name="triton_plan_digest")
+    return runpy.run_path(str(SCRIPT), run_name="plan_digest")
 
 
 def test_a_forced_split_changes_the_digest(tool):
-    spec = tool["LAYERS"][0]
+    spec = tool["LAYERS"]["triton"][0]
     builder = pagedkv.get_backend("triton").make_builder(spec, "cpu")
     seq, query = tool["draw"](random.Random(0), "decode")
     common = tool["_common"](seq, query, spec.block_size)
@@ -31,6 +31,19 @@ def test_a_forced_split_changes_the_digest(tool):
     # the scratch the kernels write is recorded by shape, not by its (arbitrary) contents
     part = forced[1]
     assert part[4][1]["PartAcc"][0] == "tensor" and len(part[4][1]["PartAcc"]) == 3
+
+
+def test_an_mla_steps_work_list_is_in_its_digest(tool):
+    spec = tool["LAYERS"]["mla"][1]
+    builder = pagedkv.get_backend("mla").make_builder(spec, "cpu")
+    common = tool["_common"]([3000, 40], [1, 1], spec.block_size)
+    record = tool["digest"](builder.build(common))
+    items = record[0]
+    assert (
+        items[:3] == ["tensor", [4, items[1][1]], "torch.int32"]
+        and len(items[3]) == 4 * items[1][1]
+    )
+    assert record != tool["digest"](builder.build(tool["_common"]([3000, 41], [1, 1], 64)))
 
 
 def test_compare_counts_the_steps_planned_alike(tool, tmp_path, capsys):

@@ -1,16 +1,18 @@
-"""The triton builder's decisions over drawn steps, written down so that two trees can be
-compared: a rewrite of the tile or split rule that should change no plan (a faster
-``build``) changes no line of the digest.
+"""A backend builder's decisions over drawn steps, written down so that two trees can be
+compared: a rewrite of a tile, split or work-list rule that should change no plan (a
+faster ``build``) changes no line of the digest.
 
-    TRITON_INTERPRET=1 python benchmarks/triton_plan_digest.py OUT.json [--seed S] [--sms N]
-    python benchmarks/triton_plan_digest.py --compare BEFORE.json AFTER.json
+    TRITON_INTERPRET=1 python benchmarks/plan_digest.py OUT.json [--backend triton|mla]
+        [--seed S] [--sms N]
+    python benchmarks/plan_digest.py --compare BEFORE.json AFTER.json
 
-For each of five layers (D 64 to 256, GQA 1 to 8, a sliding window): 60 eager steps
-(decodes with long-tailed contexts, speculative, mixed, prefill) and 30 steps under each
-of three CUDA-graph reservations (pure decode, speculative, chunked). Each step's record
-is every launch argument of its parts: grids, tiles and splits, ints, the contents of
-the step's small tensors (split counts, range lists), the shapes of its scratch
-(uninitialised: the split partials, a staged block table's padding). ``--sms`` plans for
+For each layer of the backend (triton: D 64 to 256, GQA 1 to 8, a sliding window; mla:
+128 and 16 heads of a 512+64 latent): 60 eager steps (decodes with long-tailed
+contexts, speculative, mixed, prefill) and 30 steps under each of three CUDA-graph
+reservations (pure decode, speculative, chunked). Each step's record is what its
+launches are made of: grids, tiles and splits, ints, the contents of the step's small
+tensors (split counts, range and work lists, token slots), the shapes of its scratch
+(uninitialised: split partials, a staged block table's padding). ``--sms`` plans for
 that many SMs (default: the device's; the CPU stands in 4, which rarely splits; 132 is
 an H200's). Runs on a CPU: nothing is launched.
 """
@@ -18,6 +20,7 @@ an H200's). Runs on a CPU: nothing is launched.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import sys
@@ -28,25 +31,34 @@ import torch
 from pagedkv import AttentionSpec, CommonAttentionMetadata
 from pagedkv.graph import GraphBounds
 
-LAYERS = [
-    AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16),
-    AttentionSpec(num_heads=8, num_kv_heads=8, head_size=64, dtype=torch.float16, block_size=32),
-    AttentionSpec(num_heads=64, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16),
-    AttentionSpec(num_heads=16, num_kv_heads=2, head_size=256, dtype=torch.float16, block_size=64),
-    AttentionSpec(
-        num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16,
-        sliding_window=1024,
-    ),
-]  # fmt: skip
+LAYERS = {
+    "triton": [
+        AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16),
+        AttentionSpec(num_heads=8, num_kv_heads=8, head_size=64, dtype=torch.float16, block_size=32),
+        AttentionSpec(num_heads=64, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16),
+        AttentionSpec(num_heads=16, num_kv_heads=2, head_size=256, dtype=torch.float16, block_size=64),
+        AttentionSpec(
+            num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=16,
+            sliding_window=1024,
+        ),
+    ],
+    "mla": [
+        AttentionSpec(
+            num_heads=heads, num_kv_heads=1, head_size=576, dtype=torch.float16,
+            block_size=64, scale=0.1, kv_lora_rank=512, qk_rope_head_dim=64,
+        )
+        for heads in (128, 16)
+    ],
+}  # fmt: skip
 # arguments whose contents are not the plan's: scratch the kernels write, and the staged
 # block table (its padding rows are whatever an earlier step left)
-UNREAD = ("PartAcc", "PartMax", "PartSum", "BlockTable")
+UNREAD = ("PartAcc", "PartMax", "PartSum", "BlockTable", "MidO", "MidLse")
 MAX_CONTEXT = 40000
 
 
 def _value(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        if name.startswith(UNREAD):
+        if name.startswith(UNREAD) or value.is_floating_point():
             return ["tensor", list(value.shape), str(value.dtype)]
         return ["tensor", list(value.shape), str(value.dtype), value.flatten().tolist()]
     if value is None or isinstance(value, (int, float, str, bool)):
@@ -61,13 +73,21 @@ def _launch(launch: Any) -> Any:
 
 
 def digest(metadata: Any) -> list[Any]:
-    """One step's plan: its split choice and each part's launches."""
-    parts = [
-        [p.first, p.end, repr(p.plan), p.role, _launch(p.attention), _launch(p.reduce),
-         None if p.gluon is None else repr(p.gluon.kwargs)]
-        for p in metadata.parts
+    """One step's plan: the triton backend's split choice and each part's launches; the
+    MLA backend's work list, token slots, merges and launches."""
+    if hasattr(metadata, "parts"):
+        parts = [
+            [p.first, p.end, repr(p.plan), p.role, _launch(p.attention), _launch(p.reduce),
+             None if p.gluon is None else repr(p.gluon.kwargs)]
+            for p in metadata.parts
+        ]  # fmt: skip
+        return [repr(metadata.step_choice), *parts]
+    plan = metadata.plan
+    return [
+        _value("items", metadata.items), _value("token_ranges", metadata.token_ranges),
+        _value("merges", metadata.merges), metadata.num_splits, metadata.kv_per_split,
+        metadata.num_items, plan.kind, _launch(plan.attention), _launch(plan.reduce),
     ]  # fmt: skip
-    return [repr(metadata.step_choice), *parts]
 
 
 def _common(seq_lens: list[int], query_lens: list[int], block_size: int) -> CommonAttentionMetadata:
@@ -97,9 +117,9 @@ def draw(rng: random.Random, kind: str) -> tuple[list[int], list[int]]:
     return [max(s, q) for s, q in zip(seq, query, strict=True)], query
 
 
-def record(seed: int) -> list[Any]:
+def record(backend_name: str, seed: int) -> list[Any]:
     rng = random.Random(seed)
-    backend = pagedkv.get_backend("triton")
+    backend = pagedkv.get_backend(backend_name)
     rows: list[Any] = []
 
     def step(layer: int, label: str, builder: Any, seq: list[int], query: list[int]) -> None:
@@ -109,7 +129,7 @@ def record(seed: int) -> list[Any]:
             plan = f"error {type(e).__name__}: {e}"
         rows.append([layer, label, seq, query, plan])
 
-    for index, spec in enumerate(LAYERS):
+    for index, spec in enumerate(LAYERS[backend_name]):
         eager = backend.make_builder(spec, "cpu")
         for _ in range(60):
             kind = rng.choice(["decode", "decode", "spec", "mixed", "prefill"])
@@ -150,6 +170,7 @@ def compare(before: str, after: str) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", help="write the digest here")
+    p.add_argument("--backend", choices=sorted(LAYERS), default="triton")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sms", type=int, help="plan for this many SMs")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
@@ -158,11 +179,10 @@ def main() -> int:
         return compare(*args.compare)
     if not args.out:
         p.error("give OUT.json, or --compare BEFORE AFTER")
-    if args.sms:
-        import pagedkv.backends.triton.builder as builder_module
-
-        builder_module.num_sms = lambda device: args.sms
-    rows = record(args.seed)
+    if args.sms:  # the builder's module reads the SM count at construction
+        module = importlib.import_module(f"pagedkv.backends.{args.backend}.builder")
+        module.num_sms = lambda device: args.sms
+    rows = record(args.backend, args.seed)
     with open(args.out, "w") as f:
         json.dump(rows, f)
     errors = sum(isinstance(r[4], str) for r in rows)
