@@ -237,8 +237,9 @@ for section in "$@"; do
     host)  # the host's side of a step: the builders' build (eager and under a reservation,
       # the device's real copies) and a forward's Python with Triton's launcher stubbed
       run host-build $PY benchmarks/build_overhead.py --backends torch,triton --device cuda
+      run host-build-mla $PY benchmarks/build_overhead.py --layer mla --backends mla --device cuda
       run host-forward env TRITON_INTERPRET=1 $PY benchmarks/build_overhead.py --forward --sms 132
-      tail -n 12 "$OUT/host-build.log" "$OUT/host-forward.log"
+      tail -n 12 "$OUT/host-build.log" "$OUT/host-build-mla.log" "$OUT/host-forward.log"
       ;;
     sweep)  # the Triton tile sweep (docs/triton.md); SWEEP_WORKLOADS, SWEEP_ARGS select
       run sweep $PY benchmarks/triton_sweep.py --workloads "${SWEEP_WORKLOADS:-decode-256x1024}" \
