@@ -81,6 +81,11 @@ class GraphStaging:
         self.seq_lens = torch.zeros(b.max_num_reqs, **i32)
         self.block_table = torch.zeros(b.max_num_reqs, b.max_blocks_per_req, **i32)
         self.slot_mapping = torch.full((b.max_num_tokens,), -1, dtype=torch.int64, device=device)
+        # what the buffers' tails hold since the last step (the padding every step needs):
+        # query_start_loc from this many requests on the step's token count, seq_lens
+        # zero from this many requests on, slot_mapping -1 from this many tokens on. A
+        # step of the same size writes no tail: on a GPU each write is a launch
+        self._tails = (0, 0, 0, 0)  # (requests, their tokens, seq_lens' zeros, slots' -1s)
 
     def stage(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         b = self.bounds
@@ -108,14 +113,20 @@ class GraphStaging:
                 f"{b.max_blocks_per_req} per request (max_blocks_per_req)"
             )
         width = min(common.block_table.shape[1], b.max_blocks_per_req)
-        num_actual = common.num_actual_tokens
+        num_actual, num_tokens = common.num_actual_tokens, common.num_tokens
+        tail_reqs, tail_tokens, zeros_from, unset_from = self._tails
         self.query_start_loc[: num_reqs + 1].copy_(common.query_start_loc, non_blocking=True)
-        self.query_start_loc[num_reqs + 1 :].fill_(num_actual)
+        # (each tail written only where the last step's does not already hold it)
+        if num_actual != tail_tokens or num_reqs < tail_reqs:
+            self.query_start_loc[num_reqs + 1 :].fill_(num_actual)
         self.seq_lens[:num_reqs].copy_(common.seq_lens, non_blocking=True)
-        self.seq_lens[num_reqs:].zero_()
+        if num_reqs < zeros_from:
+            self.seq_lens[num_reqs:zeros_from].zero_()
         self.block_table[:num_reqs, :width].copy_(common.block_table[:, :width], non_blocking=True)
-        self.slot_mapping[: common.num_tokens].copy_(common.slot_mapping, non_blocking=True)
-        self.slot_mapping[common.num_tokens :].fill_(-1)
+        self.slot_mapping[:num_tokens].copy_(common.slot_mapping, non_blocking=True)
+        if num_tokens < unset_from:
+            self.slot_mapping[num_tokens:unset_from].fill_(-1)
+        self._tails = (num_reqs, num_actual, num_reqs, num_tokens)
         # the host copies padded alike: requests without queries or keys
         qsl_padded = np.empty(b.max_num_reqs + 1, qsl.dtype)
         qsl_padded[: num_reqs + 1] = qsl

@@ -281,3 +281,34 @@ def test_a_first_contract_backend_keeps_working():
     cache[1].fill_(3.0)
     backend.copy_blocks(cache, torch.tensor([1]), torch.tensor([2]))
     assert cache[2].eq(3.0).all() and cache[3].eq(0).all()
+
+
+def test_a_staged_step_pads_as_a_fresh_staging_would():
+    """The persistent buffers write a padding tail only where the last step's does not
+    already hold it: after any sequence of steps they hold what staging the step into
+    new buffers gives (padding requests of no keys and the step's token count, padding
+    slots -1)."""
+    import random
+
+    from pagedkv.graph import GraphStaging
+
+    bounds = GraphBounds(max_num_reqs=6, max_num_tokens=16, max_blocks_per_req=4, max_query_len=4)
+    kept = GraphStaging(bounds, 4, torch.device("cpu"))
+    rng = random.Random(0)
+    for _ in range(60):
+        num_reqs = rng.randint(0, 6)
+        query_lens = [rng.randint(0 if num_reqs > 1 else 1, 4) for _ in range(num_reqs)]
+        while sum(query_lens) > 12:
+            query_lens[query_lens.index(max(query_lens))] -= 1
+        seq_lens = [q + rng.randint(0, 16 - q) for q in query_lens]
+        blocks = [list(range(1 + 4 * i, 1 + 4 * i + -(-s // 4))) for i, s in enumerate(seq_lens)]
+        padded = sum(query_lens) + rng.randint(0, 16 - sum(query_lens))
+        common = _step(seq_lens, query_lens, blocks, num_tokens=padded)
+        staged = kept.stage(common)
+        fresh = GraphStaging(bounds, 4, torch.device("cpu")).stage(common)
+        for name in ("query_start_loc", "seq_lens", "slot_mapping"):
+            assert torch.equal(getattr(staged, name), getattr(fresh, name)), name
+        rows = staged.block_table[:num_reqs, : common.block_table.shape[1]]
+        assert torch.equal(rows, fresh.block_table[:num_reqs, : common.block_table.shape[1]])
+        assert torch.equal(staged.query_start_loc_cpu, fresh.query_start_loc_cpu)
+        assert torch.equal(staged.seq_lens_cpu, fresh.seq_lens_cpu)
