@@ -65,6 +65,26 @@ class GraphBounds:
             )
 
 
+class PaddingTail:
+    """A persistent 1-D buffer's padding: the entries from some index on hold one value (a
+    CUDA-graph step's requests without queries, its slots without tokens). ``pad(start,
+    value)`` makes ``buffer[start:]`` hold ``value``, writing only what the tail of the
+    last call does not already hold: on a GPU each write is a launch, and a steady
+    decode step's padding is the last step's. The caller writes ``buffer[:start]``; no
+    one else writes the buffer."""
+
+    def __init__(self, buffer: torch.Tensor, value: int) -> None:
+        self.buffer = buffer
+        self.start, self.value = 0, value  # buffer[start:] == value (as it was made)
+
+    def pad(self, start: int, value: int) -> None:
+        if value != self.value:
+            self.buffer[start:].fill_(value)
+        elif start < self.start:
+            self.buffer[start : self.start].fill_(value)
+        self.start, self.value = start, value
+
+
 class GraphStaging:
     """Persistent, padded copies of the step's metadata tensors (one per builder).
 
@@ -81,11 +101,12 @@ class GraphStaging:
         self.seq_lens = torch.zeros(b.max_num_reqs, **i32)
         self.block_table = torch.zeros(b.max_num_reqs, b.max_blocks_per_req, **i32)
         self.slot_mapping = torch.full((b.max_num_tokens,), -1, dtype=torch.int64, device=device)
-        # what the buffers' tails hold since the last step (the padding every step needs):
-        # query_start_loc from this many requests on the step's token count, seq_lens
-        # zero from this many requests on, slot_mapping -1 from this many tokens on. A
-        # step of the same size writes no tail: on a GPU each write is a launch
-        self._tails = (0, 0, 0, 0)  # (requests, their tokens, seq_lens' zeros, slots' -1s)
+        # the padding after the step's requests and tokens (as the buffers start)
+        self._padding = (
+            PaddingTail(self.query_start_loc, 0),  # the step's token count
+            PaddingTail(self.seq_lens, 0),  # no keys
+            PaddingTail(self.slot_mapping, -1),  # no slot
+        )
 
     def stage(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         b = self.bounds
@@ -114,19 +135,14 @@ class GraphStaging:
             )
         width = min(common.block_table.shape[1], b.max_blocks_per_req)
         num_actual, num_tokens = common.num_actual_tokens, common.num_tokens
-        tail_reqs, tail_tokens, zeros_from, unset_from = self._tails
+        starts, seqs, slots = self._padding
         self.query_start_loc[: num_reqs + 1].copy_(common.query_start_loc, non_blocking=True)
-        # (each tail written only where the last step's does not already hold it)
-        if num_actual != tail_tokens or num_reqs < tail_reqs:
-            self.query_start_loc[num_reqs + 1 :].fill_(num_actual)
+        starts.pad(num_reqs + 1, num_actual)
         self.seq_lens[:num_reqs].copy_(common.seq_lens, non_blocking=True)
-        if num_reqs < zeros_from:
-            self.seq_lens[num_reqs:zeros_from].zero_()
+        seqs.pad(num_reqs, 0)
         self.block_table[:num_reqs, :width].copy_(common.block_table[:, :width], non_blocking=True)
         self.slot_mapping[:num_tokens].copy_(common.slot_mapping, non_blocking=True)
-        if num_tokens < unset_from:
-            self.slot_mapping[num_tokens:unset_from].fill_(-1)
-        self._tails = (num_reqs, num_actual, num_reqs, num_tokens)
+        slots.pad(num_tokens, -1)
         # the host copies padded alike: requests without queries or keys
         qsl_padded = np.empty(b.max_num_reqs + 1, qsl.dtype)
         qsl_padded[: num_reqs + 1] = qsl

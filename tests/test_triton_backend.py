@@ -1438,3 +1438,42 @@ def test_bfloat16_rows_become_float16_rows_scaled_by_powers_of_two():
     assert (out[1] == 0).all() and (down[1] == 1).all()  # a zero row
     kept = (q.abs() >= q.abs().amax(dim=1, keepdim=True) * 2.0**-28) & normal[:, None]
     assert torch.equal((out * down)[kept], q[kept])
+
+
+def test_a_mixed_reservations_kept_parts_pad_as_new_ones_would():
+    """Under bounds that allow chunks, the decodes' and the longer requests' staged
+    parts are kept across steps and write their padding only where it changed: after
+    any sequence of steps their buffers hold what a new reservation's parts give."""
+    import random
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
+                         block_size=16)  # fmt: skip
+    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=32, max_query_len=32)
+    backend = pagedkv.get_backend("triton")
+    kept = backend.make_builder(spec, "cpu")
+    kept.reserve_cuda_graph(bounds)
+    rng = random.Random(0)
+    parts = None
+    for _ in range(40):
+        n = rng.randint(1, 8)
+        query = [rng.choice([1, 1, 1, 3, 17, 32]) for _ in range(n)]
+        while sum(query) > 64:
+            query[query.index(max(query))] //= 2
+        seq = [q + rng.randint(0, 400) for q in query]
+        tables, first = [], 1
+        for s in seq:
+            tables.append(list(range(first, first + -(-s // 16))))
+            first += len(tables[-1])
+        common = CommonAttentionMetadata.from_requests(seq, query, tables, 16)
+        fresh = backend.make_builder(spec, "cpu")
+        fresh.reserve_cuda_graph(bounds)
+        got, want = kept.build(common), fresh.build(common)
+        assert [p.role for p in got.parts] == ["decodes", "longer requests"]
+        for a, b in zip(got.parts, want.parts, strict=True):
+            for name in ("QueryStartLoc", "SeqLens"):
+                assert torch.equal(a.attention.kwargs[name], b.attention.kwargs[name]), name
+        # the same two parts every step of the reservation
+        assert parts is None or all(kept._staged_parts[k] is v for k, v in parts.items()), (
+            "the parts were staged anew"
+        )
+        parts = dict(kept._staged_parts)

@@ -193,6 +193,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self._unused = torch.zeros(1, dtype=torch.float32, device=self.device)
         # CUDA-graph plans, by the bounds' shape (``_graph_plan``)
         self._graph_plans: dict[tuple, Any] = {}
+        # a mixed reservation's two staged parts, kept across its steps (``StagedPart.kept``)
+        self._staged_parts: dict[str, StagedPart] = {}
 
     def build_metadata(
         self,
@@ -310,8 +312,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         longer_plan = self._graph_plan(plan_tiles, StepShape.of_bounds(common))
         # (a bounded plan splits decode-like steps only: the longer launch writes the output)
         assert not longer_plan.split, longer_plan
-        decodes = StagedPart(self.scratch, "decodes", max_reqs, decode_tokens, width)
-        longer = StagedPart(self.scratch, "longer", max_reqs, bounds.max_num_tokens, width)
+        parts, scratch = self._staged_parts, self.scratch
+        decodes = StagedPart.kept(parts, scratch, "decodes", max_reqs, decode_tokens, width)
+        longer = StagedPart.kept(parts, scratch, "longer", max_reqs, bounds.max_num_tokens, width)
         decodes.stage(common, decode_run)
         longer.stage(common, longer_run)
         run = step.part(*decode_run)

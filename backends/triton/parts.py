@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedkv.graph import PaddingTail
 from pagedkv.metadata import CommonAttentionMetadata
 
 
@@ -110,16 +111,36 @@ class StagedPart:
         self.block_table = scratch(f"{name}_block_table", (max_reqs, table_width), i32)
         self.max_reqs = max_reqs
         self.max_tokens = max_tokens
+        # the padding requests after the part's (unknown in buffers another staging may
+        # have written: filled at the first step; ``kept`` keeps a part across steps)
+        self._padding = (
+            PaddingTail(self.query_start_loc, -1), PaddingTail(self.seq_lens, -1)
+        )  # fmt: skip
+
+    @classmethod
+    def kept(
+        cls, parts: dict[str, StagedPart], scratch: Callable[..., torch.Tensor], name: str,
+        max_reqs: int, max_tokens: int, table_width: int,
+    ) -> StagedPart:  # fmt: skip
+        """The part ``name`` of ``parts`` while its buffers are still ``scratch``'s (the
+        same reservation), else a new one there: a steady step then writes no padding."""
+        part = parts.get(name)
+        buffer = scratch(f"{name}_query_start_loc", (max_reqs + 1,), torch.int32)
+        if part is None or part.query_start_loc is not buffer or part.max_tokens != max_tokens:
+            part = parts[name] = cls(scratch, name, max_reqs, max_tokens, table_width)
+        return part
 
     def stage(self, common: CommonAttentionMetadata, requests: tuple[int, int]) -> None:
         """Copy requests ``[first, end)`` of the (staged) step in."""
         first, end = requests
         n = end - first
         qsl = common.query_start_loc
+        starts, seqs = self._padding
         self.query_start_loc[: n + 1].copy_(qsl[first : end + 1], non_blocking=True)
-        self.query_start_loc[n + 1 :].copy_(qsl[end : end + 1].expand(self.max_reqs - n))
+        # padding requests start where the part's last one ends (the staged step's host copy)
+        starts.pad(n + 1, int(common.query_start_loc_cpu[end]))
         self.seq_lens[:n].copy_(common.seq_lens[first:end], non_blocking=True)
-        self.seq_lens[n:].zero_()
+        seqs.pad(n, 0)
         self.block_table[:n].copy_(common.block_table[first:end], non_blocking=True)
 
     def views(self, block_q: int) -> PartViews:
