@@ -4,7 +4,6 @@ the contract, checked and reported."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from pagedkv.bench import MATRICES, run_bench, select_workloads
 from pagedkv.bench.workloads import long_tailed_contexts
 from pagedkv.cli import main
 from pagedkv.errors import ConfigError
+from pagedkv.toolkit.interpreter import interpreting
 
 
 def test_the_standard_matrix_covers_the_serving_shapes():
@@ -44,11 +44,15 @@ def test_ragged_lengths_are_seeded_and_long_tailed():
     assert max(a) > 8 * 1024 and min(a) < 300  # a real tail on both sides
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="runs triton on the CPU: needs Triton's interpreter (tests/conftest.py sets it "
-    "where no GPU is)",
+# the tiny matrices' Triton kernels on the CPU (a GPU host's runs are the next test's)
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not interpreting(),
+    reason="runs Triton kernels on the CPU: needs Triton's interpreter (tests/conftest.py "
+    "sets it where no GPU is)",
 )
+
+
+@NEEDS_INTERPRETER
 def test_tiny_matrix_through_two_backends_checked_against_torch():
     workloads = select_workloads("tiny")
     rows, env = run_bench(["torch", "triton"], workloads, device="cpu", baseline=None,
@@ -63,6 +67,7 @@ def test_tiny_matrix_through_two_backends_checked_against_torch():
         assert row.host_us is None and row.steady_us is None  # back to back: a GPU's queue
 
 
+@NEEDS_INTERPRETER
 def test_mla_layers_run_through_the_mla_backend_checked_against_the_latent_reference():
     """The tiny MLA matrix (absorbed query, one latent row per token): the mla backend's
     output against the float64 reference over the latent rows, and its plan reported."""
