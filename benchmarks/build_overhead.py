@@ -4,7 +4,7 @@ eager and under a CUDA-graph reservation that holds the step; with
 ``--forward``, the Python of one triton ``forward`` (checks, planning, the direct launch
 path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU: one
 layer's repeated, a step's first, and a step's through 16 layers (what an eager engine
-pays per layer).
+pays per layer), and the Triton KV write of the step's rows.
 
     python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda] [--sms N]
     TRITON_INTERPRET=1 python benchmarks/build_overhead.py --layer mla --backends mla [--sms N]
@@ -123,9 +123,11 @@ def forward_overhead() -> None:
         "decode 1x32k": ([32768], [1]),
         "mixed 16+1": ([4000] * 16 + [31621], [1] * 16 + [256]),
     }
+    from pagedkv.toolkit.triton_kv_write import write_kv_triton
+
     print(
         f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}  "
-        f"{f'a step of {LAYERS} layers, us per layer':>32}"
+        f"{f'a step of {LAYERS} layers, us per layer':>32}  {'KV write us':>11}"
     )
     for name, (seq_lens, query_lens) in steps.items():
         tables, first = [], 1
@@ -149,7 +151,17 @@ def forward_overhead() -> None:
             for i, c in zip(impls, caches, strict=True)
         ]
         first_us, layer_us = step_forward_us(builder, common, layers)
-        print(f"{name:>14}  {launches:>8}  {us:>10.1f}  {first_us:>16.1f}  {layer_us:>32.1f}")
+        # the step's K/V rows into the layer's cache, as a GPU's forward writes them
+        rows = torch.randn(query.shape[0], SPEC.num_kv_heads, SPEC.head_size).to(SPEC.dtype)
+        views = impl.cache_views(cache)
+        write_us = median_us(
+            functools.partial(write_kv_triton, rows, rows, views.k, views.v, common.slot_mapping),
+            4000,
+        )
+        print(
+            f"{name:>14}  {launches:>8}  {us:>10.1f}  {first_us:>16.1f}  {layer_us:>32.1f}  "
+            f"{write_us:>11.1f}"
+        )
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ themselves, keep working: docs/contract.md says how to move them.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -196,6 +197,15 @@ class AttentionImpl(ABC, Generic[M]):
         self.cache_layout = cache_layout  # the backend's configured layout
         self.options = options
         self._cache_checker: CacheChecker | None = None
+        self._kept_views: CacheViews | None = None
+        # a forward's rows past the token count, as the fast check compares them: query,
+        # output, and key and value (MLA: the latent row, no value)
+        self._row_dims = (
+            (spec.num_heads, spec.head_size),
+            (spec.num_heads, spec.head_size_v),
+            (1, spec.head_size) if spec.is_mla else (spec.num_kv_heads, spec.head_size),
+            None if spec.is_mla else (spec.num_kv_heads, spec.head_size_v),
+        )
 
     # -- the shared forward -----------------------------------------------------------
 
@@ -213,10 +223,11 @@ class AttentionImpl(ABC, Generic[M]):
         has nothing to write or attend: ``write_kv`` and ``attend`` are never called with
         zero rows, which some kernel launchers reject (JAX's Pallas did, deep inside)."""
         md: StepMetadata = metadata  # type: ignore[assignment]
-        self.check_forward_args(query, key, value, md.num_tokens, output)
+        num_tokens = md.num_tokens
+        self.check_forward_args(query, key, value, num_tokens, output)
         self.check_cache(kv_cache, query.device, metadata)
         out = self.new_output(query, output)
-        if md.num_tokens == 0:
+        if num_tokens == 0:
             return out
         if key is not None:
             self.write_kv(key, value, kv_cache, metadata)
@@ -241,7 +252,8 @@ class AttentionImpl(ABC, Generic[M]):
         Default: the shared writer (pagedkv.toolkit.kv_write) through the layout's views."""
         from pagedkv.toolkit.kv_write import write_kv_by_slot
 
-        k_view, v_view = self.layout().logical(kv_cache, self.spec)
+        views = self.cache_views(kv_cache)
+        k_view, v_view = views.k, views.v
         s, md = self.spec, metadata
         write_kv_by_slot(
             key,
@@ -252,6 +264,37 @@ class AttentionImpl(ABC, Generic[M]):
             s.k_scale,
             s.v_scale,
         )
+
+    def cache_views(self, kv_cache: torch.Tensor) -> CacheViews:
+        """The layout's logical K and V views of ``kv_cache`` (``CacheLayout.logical``),
+        kept between calls: made again only when the cache object, its storage or its
+        shape change. Every layer's write and attention read them, and making the views
+        took longer than a forward's checks (11 µs on this project's CPU machine)."""
+        views = self._kept_views
+        if (
+            views is not None
+            and views.cache() is kv_cache
+            and views.data_ptr == kv_cache.data_ptr()
+            and views.shape == kv_cache.shape
+        ):
+            return views
+        k, v = self.layout().logical(kv_cache, self.spec)
+        # views on the storage rather than on kv_cache, so that they do not keep the
+        # cache tensor alive; its death drops them (and the storage with them)
+        storage = kv_cache.untyped_storage()
+        if k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() == storage.data_ptr():
+            k, v = (
+                t.new_empty(0).set_(storage, t.storage_offset(), t.shape, t.stride())
+                for t in (k, v)
+            )
+        views = self._kept_views = CacheViews(
+            weakref.ref(kv_cache, self._forget_cache_views), kv_cache.data_ptr(),
+            kv_cache.shape, k, v,
+        )  # fmt: skip
+        return views
+
+    def _forget_cache_views(self, _: object) -> None:
+        self._kept_views = None
 
     # -- shared checks ----------------------------------------------------------------
 
@@ -269,13 +312,13 @@ class AttentionImpl(ABC, Generic[M]):
     ) -> None:
         """The layout's cache check; with PAGEDKV_VALIDATE=1 also the full metadata
         validation against this cache's pool size."""
-        layout = self.layout()
-        if self._cache_checker is None:
-            self._cache_checker = layout.checker(self.spec)
-        self._cache_checker(kv_cache, device)
+        checker = self._cache_checker
+        if checker is None:
+            checker = self._cache_checker = self.layout().checker(self.spec)
+        checker(kv_cache, device)
         common = getattr(metadata, "common", None)
         if isinstance(common, CommonAttentionMetadata):
-            built_for = common.slot_mapping.device
+            built_for = common.device
             if device is not None and built_for != device:
                 raise UnsupportedError(
                     f"metadata: built for {built_for}, but the query is on {device} "
@@ -283,7 +326,7 @@ class AttentionImpl(ABC, Generic[M]):
                 )
             if full_validation_enabled():
                 assert isinstance(kv_cache, torch.Tensor)
-                common.validate(kv_cache.shape[layout.block_axis])
+                common.validate(kv_cache.shape[self.layout().block_axis])
 
     def check_forward_args(
         self,
@@ -297,6 +340,42 @@ class AttentionImpl(ABC, Generic[M]):
         wrong (compiled kernels take tensors as bare addresses: one on another device
         would be read as this one's memory)."""
         s = self.spec
+        # the usual call in a few comparisons (every layer's forward runs it); the
+        # messages below only when one fails
+        q_dims, out_dims, k_dims, v_dims = self._row_dims
+        dtype = s.dtype
+        if (
+            isinstance(query, torch.Tensor)
+            and query.shape == (num_tokens, *q_dims)
+            and query.dtype == dtype
+            and (
+                output is None
+                or (
+                    isinstance(output, torch.Tensor)
+                    and output.shape == (num_tokens, *out_dims)
+                    and output.dtype == dtype
+                    and output.device == query.device
+                )
+            )
+            and (
+                (key is None and value is None)
+                or (
+                    isinstance(key, torch.Tensor)
+                    and key.shape == (num_tokens, *k_dims)
+                    and key.dtype == dtype
+                    and key.device == query.device
+                    and (
+                        value is None
+                        if v_dims is None
+                        else isinstance(value, torch.Tensor)
+                        and value.shape == (num_tokens, *v_dims)
+                        and value.dtype == dtype
+                        and value.device == query.device
+                    )
+                )
+            )
+        ):
+            return
         expect_tensor("query", query, (num_tokens, s.num_heads, s.head_size), s.dtype)
         device = query.device
         if s.is_mla:
@@ -321,6 +400,19 @@ class AttentionImpl(ABC, Generic[M]):
         if output is not None:
             return output
         return query.new_empty(query.shape[0], self.spec.num_heads, self.spec.head_size_v)
+
+
+@dataclass(frozen=True)
+class CacheViews:
+    """A cache's logical views (``AttentionImpl.cache_views``): K ``[num_blocks,
+    block_size, num_kv_heads, head_size]`` and V (a latent cache's: K's prefix), on the
+    cache's storage."""
+
+    cache: weakref.ref[torch.Tensor]
+    data_ptr: int
+    shape: torch.Size
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def expect_tensor(

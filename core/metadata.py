@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,12 +40,13 @@ class CommonAttentionMetadata:
     def num_reqs(self) -> int:
         return self.seq_lens_cpu.shape[0]
 
-    @property
+    # read by every layer's forward: found once (the fields of a frozen step never change)
+    @functools.cached_property
     def num_tokens(self) -> int:
         """T, padded token count (rows of query/key/value/output)."""
         return self.slot_mapping.shape[0]
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
         return self.slot_mapping.device
 

@@ -36,24 +36,37 @@ _TENSORS = (
 )
 
 
-def full_validation_enabled() -> bool:
+def _env_enabled() -> bool:
     return os.environ.get(VALIDATE_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+# read from the environment once: every layer's forward asks (a lookup in os.environ
+# was a tenth of a forward's checks); ``full_validation`` switches it in a process
+_VALIDATE = [_env_enabled()]
+
+
+def full_validation_enabled() -> bool:
+    """Whether ``PAGEDKV_VALIDATE`` was on when pagedkv was imported, or
+    ``full_validation(True)`` is in force."""
+    return _VALIDATE[0]
 
 
 @contextlib.contextmanager
 def full_validation(enabled: bool) -> Iterator[None]:
-    """``PAGEDKV_VALIDATE`` on or off for the block, whatever it was (restored after):
+    """The full validation on or off for the block, whatever it was (restored after):
     to show that a bad step is caught by the cheap checks alone, or only with the
-    debug validation."""
-    old = os.environ.pop(VALIDATE_ENV, None)
+    debug validation. ``PAGEDKV_VALIDATE`` follows, for processes started inside."""
+    old, old_env = _VALIDATE[0], os.environ.pop(VALIDATE_ENV, None)
+    _VALIDATE[0] = enabled
     if enabled:
         os.environ[VALIDATE_ENV] = "1"
     try:
         yield
     finally:
+        _VALIDATE[0] = old
         os.environ.pop(VALIDATE_ENV, None)
-        if old is not None:
-            os.environ[VALIDATE_ENV] = old
+        if old_env is not None:
+            os.environ[VALIDATE_ENV] = old_env
 
 
 def check_step(common: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:

@@ -4,6 +4,11 @@ staging semantics, and a backend written against the first contract still workin
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
+import subprocess
+import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -24,6 +29,7 @@ from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.builder import TorchMetadata
 from pagedkv.conformance import Scenario, run_scenario
 from pagedkv.reference import reference_attention
+from pagedkv.step_check import full_validation
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, block_size=4)
 
@@ -94,14 +100,24 @@ def test_strided_metadata_is_made_contiguous_before_the_write():
     assert torch.equal(k_view.reshape(-1, 2, 16)[slots], k)
 
 
-def test_debug_switch_validates_block_ids_against_the_pool(monkeypatch):
+def test_debug_switch_validates_block_ids_against_the_pool():
     backend = TorchBackend()
     common = _step([5], [5], [[1, 9]])  # block 9 of a 5-block pool
     builder, impl = backend.make_builder(SPEC, "cpu"), backend.make_impl(SPEC)
     cache = backend.allocate_kv_cache(5, SPEC, "cpu")
-    monkeypatch.setenv("PAGEDKV_VALIDATE", "1")
-    with pytest.raises(MetadataError, match=r"block_table\[0, 1\] = 9 .* \[0, 5\)"):
+    with (
+        full_validation(True),
+        pytest.raises(MetadataError, match=r"block_table\[0, 1\] = 9 .* \[0, 5\)"),
+    ):
         impl.forward(*_inputs(5), cache, builder.build(common))
+
+
+def test_debug_switch_is_read_from_the_environment_at_import():
+    code = "from pagedkv.step_check import full_validation_enabled as f; print(f())"
+    for value, expected in (("1", "True"), ("on", "True"), ("", "False"), ("0", "False")):
+        env = {**os.environ, "PAGEDKV_VALIDATE": value}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert run.stdout.strip() == expected, run.stderr
 
 
 # -- the shared forward ---------------------------------------------------------------------
@@ -114,6 +130,30 @@ def test_forward_checks_the_cache_through_the_layout():
     half = torch.zeros(backend.get_kv_cache_shape(4, 4, 2, 16), dtype=torch.float16)
     with pytest.raises(UnsupportedError, match="kv_cache: expected dtype torch.float32"):
         impl.forward(*_inputs(3), half, md)
+
+
+def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
+    """The shared forward keeps a cache's logical views between calls: a write and the
+    attention after it use the cache given, a new cache (or new storage behind the same
+    tensor) gets new views, and a dropped cache is freed with its views."""
+    backend = TorchBackend()
+    impl, fresh = backend.make_impl(SPEC), backend.make_impl(SPEC)
+    md = backend.make_builder(SPEC, "cpu").build(_step([3], [3], [[1]]))
+    caches = [backend.allocate_kv_cache(4, SPEC, "cpu") for _ in range(2)]
+    for seed, cache in enumerate(caches):
+        out = impl.forward(*_inputs(3, seed), cache, md)
+        want = fresh.forward(*_inputs(3, seed), backend.allocate_kv_cache(4, SPEC, "cpu"), md)
+        assert torch.equal(out, want)
+        assert impl.cache_views(cache).k.untyped_storage().data_ptr() == cache.data_ptr()
+    first, second = caches
+    assert not torch.equal(first, second)  # each took its own step's K/V
+    second.set_(first.clone())  # the same tensor object over new storage
+    k_view = impl.cache_views(second).k
+    assert k_view.untyped_storage().data_ptr() == second.data_ptr() != first.data_ptr()
+    ref = weakref.ref(second)
+    del second, cache, caches, k_view
+    gc.collect()
+    assert ref() is None and impl._kept_views is None
 
 
 def test_a_step_of_no_token_rows_writes_and_attends_nothing():

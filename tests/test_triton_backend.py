@@ -1188,7 +1188,7 @@ def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
     ref = weakref.ref(cache)
     del cache
     gc.collect()
-    assert ref() is None and impl._views is None
+    assert ref() is None and impl._views is None and impl._kept_views is None
 
 
 # -- declared support ----------------------------------------------------------------------

@@ -93,7 +93,8 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         if self._kernel is None:
             self._kernel = self.adapter.load()
         common = metadata.common
-        key_cache, value_cache = self.layout().logical(kv_cache, self.spec)
+        views = self.cache_views(kv_cache)
+        key_cache, value_cache = views.k, views.v
         call = PagedCall(
             query=query[: metadata.rows],
             key_cache=key_cache,

@@ -80,7 +80,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         """(key, value, k_view, v_view) for the shared writer: kv_c into the latent's
         first L values, k_pe into the last R (one launch); value None when R = 0."""
         lora = self.spec.kv_lora_rank
-        latent, _ = self.layout().logical(kv_cache, self.spec)  # [N, B, 1, L + R]
+        latent = self.cache_views(kv_cache).k  # [N, B, 1, L + R]
         if k_pe.dim() == 2:
             k_pe = k_pe.unsqueeze(1)
         if self.spec.qk_rope_head_dim == 0:

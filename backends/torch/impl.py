@@ -53,7 +53,8 @@ class TorchAttentionImpl(AttentionImpl[TorchMetadata]):
     ) -> None:
         common = metadata.common
         output[common.num_actual_tokens :] = 0
-        k_cache, v_cache = self.layout().logical(kv_cache, self.spec)
+        views = self.cache_views(kv_cache)
+        k_cache, v_cache = views.k, views.v
         for i, seq_len in enumerate(metadata.seq_lens):
             q_start, q_end = metadata.query_starts[i], metadata.query_starts[i + 1]
             if q_end > q_start:

@@ -10,13 +10,12 @@ capturable once each kernel has been compiled by a first, uncaptured call).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pagedkv.backend import AttentionImpl
+from pagedkv.backend import AttentionImpl, CacheViews
 from pagedkv.backends.triton.builder import TritonMetadata
 from pagedkv.backends.triton.configs import LayerShape
 from pagedkv.backends.triton.gluon_plan import (
@@ -56,7 +55,7 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         self._reduce_args: dict[str, Any] = dict(USE_SINKS=sinks is not None)
         # per device: the layer's arguments with its sinks / ALiBi slopes there
         self._by_device: dict[torch.device, tuple[dict[str, Any], dict[str, Any]]] = {}
-        self._views: _CacheViews | None = None
+        self._views: _CacheArgs | None = None
         self._gluon_layer_args = gluon_layer_args(spec)
         # a two-part step's parts run on two streams (``_attend_overlapped``)
         self.overlap_parts = options.get("overlap_parts", True) is not False
@@ -70,11 +69,11 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
     ) -> None:
         # the launches skip Triton's per-call dispatch once their variant is known: the
         # step's and the layer's arguments are specialised once, the forward's at each call
-        launches = self._launches(query, kv_cache, metadata, output)
         if len(metadata.parts) == 2 and self.overlap_parts and query.is_cuda:
+            launches = self._launches(query, kv_cache, metadata, output, longer_first=True)
             self._attend_overlapped(launches, query.device)
             return
-        for _, template, layer, call in launches:
+        for _, template, layer, call in self._launches(query, kv_cache, metadata, output):
             template.run_with(*layer, call=call)
 
     def _attend_overlapped(
@@ -87,7 +86,9 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         the tensor cores busy (compute-bound), so each runs in what the other leaves of
         the SMs. The longer part goes first, on a stream of higher priority, so that its
         programs are placed first; the caller's stream waits for both (CUDA graphs
-        capture the fork and the join)."""
+        capture the fork and the join). ``launches`` come longer part first: its launch
+        leaves the host before the decodes' arguments are found (an eager step's host
+        time is on its critical path where the longer part is the longer kernel)."""
         side_stream = _SIDE_STREAMS.get(device)
         if side_stream is None:  # one per device, for every layer and step
             side_stream = _SIDE_STREAMS[device] = _SideStream(device)
@@ -98,15 +99,17 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         record, wait = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait
         record(forked, main)
         wait(forked, side)
-        decodes = []
+        joined_recorded = False
         for part, template, layer, call in launches:
-            if part == 1:  # the longer requests first, on the side stream (not made current)
+            if part == 1:  # the longer requests, on the side stream (not made current)
                 template.run_with(*layer, call=call, stream=side)
-            else:
-                decodes.append((template, layer, call))
-        record(joined, side)
-        for template, layer, call in decodes:
+                continue
+            if not joined_recorded:  # after the side stream's last launch
+                record(joined, side)
+                joined_recorded = True
             template.run_with(*layer, call=call)
+        if not joined_recorded:
+            record(joined, side)
         wait(joined, main)
 
     def plan(
@@ -133,9 +136,11 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         kv_cache: torch.Tensor,
         metadata: TritonMetadata,
         output: torch.Tensor,
+        longer_first: bool = False,
     ) -> Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], CallArgs]]:
         """One forward's launches: (the part's index, the step's template, the layer's
-        arguments, the forward's own arguments)."""
+        arguments, the forward's own arguments), in the parts' order or, with
+        ``longer_first``, a two-part step's longer part first."""
         md = metadata
         if md.layer is not self.layer and md.layer != self.layer:
             raise UnsupportedError(
@@ -151,7 +156,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         if any(part.gluon is not None for part in md.parts):
             gluon_layer = self._gluon_launch_args(kv_cache)
         layer_args = None
-        for index, part in enumerate(md.parts):
+        parts = enumerate(md.parts)
+        for index, part in reversed(tuple(parts)) if longer_first else parts:
             if part.gluon is not None and gluon_layer is not None:
                 if gluon_call is None:
                     gluon_call = CallArgs(forward_args)
@@ -212,17 +218,13 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         return memo.launch_args[1]
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """K and V views of ``kv_cache`` (from the layout, derived once per cache) and
-        their strides, as launch arguments."""
+        """K and V views of ``kv_cache`` (the contract's ``cache_views``, kept per cache)
+        and their strides, as launch arguments."""
+        views = self.cache_views(kv_cache)
         memo = self._views
-        if (
-            memo is not None
-            and memo.cache() is kv_cache
-            and memo.data_ptr == kv_cache.data_ptr()
-            and memo.shape == kv_cache.shape
-        ):
-            return memo.k, memo.v, memo.strides
-        k, v = self.layout().logical(kv_cache, self.spec)
+        if memo is not None and memo.views is views:
+            return views.k, views.v, memo.strides
+        k, v = views.k, views.v
         ks, vs = k.stride(), v.stride()
         if ks[3] != 1 or vs[3] != 1:
             raise UnsupportedError(
@@ -232,38 +234,26 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
             stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
         )  # fmt: skip
-        # views on the storage rather than on kv_cache, so that the memo does not keep
-        # the cache tensor alive; its death drops the memo (and the storage with it)
-        storage = kv_cache.untyped_storage()
-        k, v = (
-            kv_cache.new_empty(0).set_(storage, t.storage_offset(), t.shape, t.stride())
-            for t in (k, v)
-        )
-        self._views = _CacheViews(
-            weakref.ref(kv_cache, self._forget_views),
-            kv_cache.data_ptr(),
-            kv_cache.shape,
-            k,
-            v,
-            strides,
-        )
+        self._views = _CacheArgs(views, strides)
         return k, v, strides
 
     def _gluon_launch_args(self, kv_cache: torch.Tensor) -> LaunchArgs | None:
         """The Gluon kernel's layer arguments over ``kv_cache``, its TMA descriptors among
         them (once per cache, with its views), or None when TMA cannot read this cache
         (the portable kernel runs)."""
-        self._cache_views(kv_cache)
+        k, v, _ = self._cache_views(kv_cache)
         memo = self._views
         assert memo is not None
         if memo.gluon is _UNSET:  # the memo's K/V views: the cache's bytes, its strides
             memo.gluon = None
-            if gluon_cache_problem(memo.k, memo.v) is None:
-                descriptors = gluon_cache_args(self.spec, memo.k, memo.v)
+            if gluon_cache_problem(k, v) is None:
+                descriptors = gluon_cache_args(self.spec, k, v)
                 memo.gluon = LaunchArgs({**descriptors, **self._gluon_layer_args})
         return memo.gluon  # type: ignore[return-value]
 
-    def _forget_views(self, _: object) -> None:
+    def _forget_cache_views(self, ref: object) -> None:
+        # the launch arguments hold views of the dead cache's storage too
+        super()._forget_cache_views(ref)
         self._views = None
 
 
@@ -299,14 +289,11 @@ _SIDE_STREAMS: dict[torch.device, _SideStream] = {}
 
 
 @dataclass
-class _CacheViews:
-    """The K/V views of the last cache an impl attended over."""
+class _CacheArgs:
+    """What the launches take of the last cache an impl attended over: its views'
+    strides, the Gluon kernel's descriptors, the layer's launch arguments."""
 
-    cache: weakref.ref[torch.Tensor]
-    data_ptr: int
-    shape: torch.Size
-    k: torch.Tensor
-    v: torch.Tensor
+    views: CacheViews  # the contract's views of the cache (``cache_views``)
     strides: dict[str, int]
     # the Gluon kernel's layer arguments with its descriptors over this cache (None:
     # TMA cannot read it), made on its first Gluon step

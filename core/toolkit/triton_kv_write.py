@@ -13,10 +13,15 @@ Importing this module imports triton; ``pagedkv`` itself never does.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 from pagedkv.intmath import cdiv, next_power_of_2
+from pagedkv.toolkit import dispatch
+from pagedkv.toolkit.dispatch import LaunchArgs
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import fp32_to_fp8_bits
 
@@ -127,6 +132,22 @@ def plan_write_kv(
     k_view / v_view: [num_blocks, block_size, H, D(v)], any strides;
     slot_mapping: [T'] int64 (or int32), T' <= T.
     """
+    grid, groups, call = _write_args(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)
+    return KernelLaunch(write_kv_kernel, grid, {**call, **groups[0].values, **groups[1].values})
+
+
+def _write_args(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+) -> tuple[tuple[int], tuple[LaunchArgs, LaunchArgs], dict[str, Any]]:
+    """The checked launch: (grid, its groups (the constants of the layer's shape, and
+    the cache's geometry and scales: shared by every layer of that shape), the call's
+    own arguments: the rows, the slots, the cache views)."""
     _check_rows("key", key, k_view, "k_view")
     if (value is None) != (v_view is None):
         raise ValueError("value and v_view must be given together (or both None)")
@@ -148,10 +169,10 @@ def plan_write_kv(
         )
     # the kernel reads slots with unit stride: a strided view would write wrong slots
     slot_mapping = slot_mapping.contiguous()
+    device = key.device
     for name, t in (("k_view", k_view), ("v_view", v_view), ("slot_mapping", slot_mapping)):
-        if t is not None and t.device != key.device:
-            raise ValueError(f"{name}: expected on {key.device} like key, got {t.device}")
-
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected on {device} like key, got {t.device}")
     fp8 = k_view.dtype in _FP8_MANTISSA_BITS
     if k_view.dtype.itemsize == 1 and not fp8:
         raise ValueError(
@@ -162,56 +183,81 @@ def plan_write_kv(
     k_store = k_view.view(torch.uint8) if fp8 else k_view
     v_store = None if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
     num_heads, head_size = key.shape[1], key.shape[2]
-    head_size_v = head_size if value is None else value.shape[2]
-    head_pad = next_power_of_2(head_size)
-    head_pad_v = next_power_of_2(head_size_v)
-    num_rows = slot_mapping.shape[0] * num_heads
-    # fixed per head size (not per batch), so batch sizes never trigger a recompile
-    block_r = max(1, _TILE_ELEMENTS // max(head_pad, head_pad_v))
     has_value = value is not None
+    head_size_v = value.shape[2] if has_value else head_size
+    constants = _constants(
+        k_view.dtype, num_heads, head_size, head_size_v, k_view.shape[1], has_value
+    )
     val, vcache = (value, v_store) if has_value else (key, k_store)
     kst, vst = key.stride(), val.stride()
     kcs, vcs = k_store.stride(), vcache.stride()
-    return KernelLaunch(
-        write_kv_kernel,
-        (cdiv(num_rows, block_r),),
+    num_rows = slot_mapping.shape[0] * num_heads
+    cache = _cache_geometry(kcs, vcs, k_view.shape[0] * k_view.shape[1], k_scale, v_scale)
+    call = dict(
+        Key=key, Value=val, KCache=k_store, VCache=vcache, SlotMapping=slot_mapping,
+        num_rows=num_rows,
+        stride_kt=kst[0], stride_kh=kst[1], stride_kd=kst[2],
+        stride_vt=vst[0], stride_vh=vst[1], stride_vd=vst[2],
+    )  # fmt: skip
+    return (cdiv(num_rows, constants.values["BLOCK_R"]),), (constants, cache), call
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(
+    cache_dtype: torch.dtype,
+    num_heads: int,
+    head_size: int,
+    head_size_v: int,
+    block_size: int,
+    has_value: bool,
+) -> LaunchArgs:
+    """The write's constexprs and launch options for one layer shape, one group kept
+    for all its writes (``dispatch.LaunchArgs``: specialised once)."""
+    fp8 = cache_dtype in _FP8_MANTISSA_BITS
+    head_pad, head_pad_v = next_power_of_2(head_size), next_power_of_2(head_size_v)
+    return LaunchArgs(
         dict(
-            Key=key,
-            Value=val,
-            KCache=k_store,
-            VCache=vcache,
-            SlotMapping=slot_mapping,
-            k_scale=1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
-            v_scale=1.0 / float(v_scale),
-            num_rows=num_rows,
-            num_slots=k_view.shape[0] * k_view.shape[1],
-            stride_kt=kst[0],
-            stride_kh=kst[1],
-            stride_kd=kst[2],
-            stride_vt=vst[0],
-            stride_vh=vst[1],
-            stride_vd=vst[2],
-            stride_kcb=kcs[0],
-            stride_kcs=kcs[1],
-            stride_kch=kcs[2],
-            stride_kcd=kcs[3],
-            stride_vcb=vcs[0],
-            stride_vcs=vcs[1],
-            stride_vch=vcs[2],
-            stride_vcd=vcs[3],
             NUM_HEADS=num_heads,
             HEAD_SIZE=head_size,
             HEAD_SIZE_V=head_size_v,
             HEAD_PAD=head_pad,
             HEAD_PAD_V=head_pad_v,
-            BLOCK_SIZE=k_view.shape[1],
-            BLOCK_R=block_r,
+            BLOCK_SIZE=block_size,
+            # fixed per head size (not per batch), so batch sizes never trigger a recompile
+            BLOCK_R=max(1, _TILE_ELEMENTS // max(head_pad, head_pad_v)),
             HAS_VALUE=has_value,
             FP8=fp8,
-            FP8_MAX=float(torch.finfo(k_view.dtype).max) if fp8 else 0.0,
-            MAN_BITS=_FP8_MANTISSA_BITS.get(k_view.dtype, 0),
+            FP8_MAX=float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
+            MAN_BITS=_FP8_MANTISSA_BITS.get(cache_dtype, 0),
             num_warps=4,
-        ),
+        )
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_geometry(
+    k_strides: tuple[int, ...],
+    v_strides: tuple[int, ...],
+    num_slots: int,
+    k_scale: float,
+    v_scale: float,
+) -> LaunchArgs:
+    """The cache views' strides, slot count and scales as one group (a model's layers
+    share theirs), so that a write specialises only its rows, slots and views."""
+    return LaunchArgs(
+        dict(
+            k_scale=1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
+            v_scale=1.0 / float(v_scale),
+            num_slots=num_slots,
+            stride_kcb=k_strides[0],
+            stride_kcs=k_strides[1],
+            stride_kch=k_strides[2],
+            stride_kcd=k_strides[3],
+            stride_vcb=v_strides[0],
+            stride_vcs=v_strides[1],
+            stride_vch=v_strides[2],
+            stride_vcd=v_strides[3],
+        )
     )
 
 
@@ -224,10 +270,14 @@ def write_kv_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Launch the write (see ``plan_write_kv`` for shapes). Asynchronous on CUDA."""
+    """Launch the write (see ``plan_write_kv`` for shapes). Asynchronous on CUDA. The
+    launch skips Triton's per-call dispatch once its variant is known
+    (``pagedkv.toolkit.dispatch``): every layer of an eager step writes, and that
+    dispatch took longer than the write's kernel."""
     if slot_mapping.shape[0] == 0:
         return
-    plan_write_kv(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)()
+    grid, groups, call = _write_args(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)
+    dispatch.launch(write_kv_kernel, grid, groups, call)
 
 
 def _check_rows(name: str, rows: torch.Tensor, view: torch.Tensor, view_name: str) -> None:
