@@ -533,3 +533,45 @@ def test_a_direct_launch_encodes_each_tma_descriptor_once_per_address_and_shape(
     assert passed[-1] == (4, 1, 1, 7, *variant.fixed, *descriptors.expand(args))
     # another wrapper (not Triton's) is called as it is
     assert dispatch._Descriptors.unwrap(lambda *args: None) is None
+
+
+@NEEDS_INTERPRETER
+def test_a_direct_kv_write_passes_what_tritons_dispatch_binds(monkeypatch):
+    """The Triton KV write (its constants and its cache's geometry as groups, the rows,
+    slots and views per call): the first write goes through Triton's dispatch with what
+    ``plan_write_kv`` plans, the second directly with the same values but its own rows."""
+    import pagedkv
+    from pagedkv import AttentionSpec
+    from pagedkv.toolkit.triton_kv_write import plan_write_kv, write_kv_kernel, write_kv_triton
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
+                         block_size=16)  # fmt: skip
+    common, first = _contiguous_step([40, 7], [5, 7])
+    backend = pagedkv.get_backend("triton")
+    views = backend.make_impl(spec).cache_views(backend.allocate_kv_cache(first, spec, "cpu"))
+    slots = common.slot_mapping
+    rows = [torch.randn(common.num_tokens, 2, 32).half() for _ in range(4)]
+    dispatched, variants = [], {}
+
+    def dispatch_once(kernel, grid, shared, call, stream=None):
+        kwargs = {k: v for g in shared for k, v in g.values.items()} | dict(call)
+        dispatched.append((kernel, tuple(grid), kwargs))
+        return variants.setdefault(len(dispatched), _Compiled())
+
+    monkeypatch.setattr(dispatch, "_params", _source_params)
+    monkeypatch.setattr(dispatch, "_dispatch", dispatch_once)
+    write_kv_triton(rows[0], rows[1], views.k, views.v, slots, 0.5, 2.0)
+    planned = plan_write_kv(rows[0], rows[1], views.k, views.v, slots, 0.5, 2.0)
+    assert len(dispatched) == 1
+    kernel, grid, kwargs = dispatched[0]
+    assert kernel is write_kv_kernel and grid == planned.grid and kwargs == planned.kwargs
+    write_kv_triton(rows[2], rows[3], views.k, views.v, slots, 0.5, 2.0)
+    assert len(dispatched) == 1  # the second write: direct
+    params = _source_params(write_kv_kernel)
+    given = {**kwargs, "Key": rows[2], "Value": rows[3]}
+    expected = tuple(
+        launch_value(given[n]) if n in given else params.defaults[i]
+        for i, n in enumerate(params.names)
+    )
+    assert variants[1].ran[-1][0] == (*planned.grid, 1, 1)
+    assert variants[1].ran[-1][2] == expected

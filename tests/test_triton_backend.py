@@ -295,6 +295,27 @@ def test_two_part_steps_are_planned_as_two_launches():
         assert decode_part.plan.num_splits > 1, (scenario.name, md.describe())
 
 
+def test_a_two_part_step_launches_its_longer_part_first_when_overlapped():
+    """The overlapped forward's order (on a GPU: the longer part's launch leaves the host
+    before the decodes' arguments are found): the same launches, the longer part's
+    first, each part's launches in their own order."""
+    scenario = next(s for s in SCENARIOS if s.name.startswith("two-parts"))
+    problem = build_problem(scenario, DEVICE)
+    backend = pagedkv.get_backend("triton")
+    md = backend.make_builder(problem.spec, DEVICE).build(problem.common)
+    impl = backend.make_impl(problem.spec)
+    cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, DEVICE)
+    out = torch.empty_like(problem.query)
+    in_order = list(impl._launches(problem.query, cache, md, out))
+    longer_first = list(impl._launches(problem.query, cache, md, out, longer_first=True))
+    assert [p for p, *_ in in_order] == [0, 0, 1], md.describe()  # the chunk: one split
+    by_part = sorted(longer_first, key=lambda launch: -launch[0])  # stable: each part's order
+    assert [(p, t) for p, t, *_ in longer_first] == [(p, t) for p, t, *_ in by_part]
+    assert sorted((p, id(t)) for p, t, *_ in longer_first) == sorted(
+        (p, id(t)) for p, t, *_ in in_order
+    )
+
+
 def test_a_padded_two_part_step_matches_the_reference():
     """Decodes, then a chunk and a request without queries (the padding joins the
     chunk's launch): two launches, exact."""

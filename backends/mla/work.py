@@ -24,6 +24,7 @@ from pagedkv.backends.mla.configs import (
     PROGRAM_OVERHEAD_KEYS,
     SPLIT_POLICY,
 )
+from pagedkv.intmath import cdiv
 from pagedkv.toolkit import split_kv
 from pagedkv.toolkit.split_kv import SplitChoice
 
@@ -128,7 +129,7 @@ def decode_tiles(query_lens: np.ndarray, num_heads: int, block_m: int) -> int:
     its tiles all visit the request's every key; a CUDA graph's padding requests have
     none), or 0 for another step (``tile_table``'s tiles)."""
     if len(query_lens) and query_lens.max() == 1:
-        return -(-num_heads // block_m)
+        return cdiv(num_heads, block_m)
     return 0
 
 
@@ -178,7 +179,7 @@ def graph_grid(
         partials = reduce_rows * splits
     else:
         floor = SPLIT_POLICY.min_keys_per_split
-        splits = max(1, min(SPLIT_POLICY.max_splits, -(-max_seq_len // floor)))
+        splits = max(1, min(SPLIT_POLICY.max_splits, cdiv(max_seq_len, floor)))
         items = min(num_tiles * splits, num_tiles + GRAPH_SPLIT_PROGRAMS_PER_SM * num_sms)
         partials = min(reduce_rows * splits, GRAPH_PARTIAL_BYTES // slot_bytes)
     if splits == 1 or partials < 2:

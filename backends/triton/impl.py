@@ -26,7 +26,7 @@ from pagedkv.backends.triton.gluon_plan import (
 )
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups, shared_group
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
 
@@ -207,8 +207,10 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
                 {**attention_args, **cache_strides, "KCache": k_cache, "VCache": v_cache},
                 own=_LAYER_TENSORS,
             )
-            reduce, _ = layer_groups(reduce_args, own=_LAYER_TENSORS)
+            # the merge's own tensors (sinks) are a subset of the attention's, passed
+            # with the forward's call (``reduce_call_names``)
             own_reduce = tuple(n for n in reduce_args if n in _LAYER_TENSORS)
+            reduce = shared_group({k: v for k, v in reduce_args.items() if k not in own_reduce})
             memo.launch_args = (
                 device,
                 _LayerArgs(
