@@ -78,7 +78,7 @@ def digest(metadata: Any) -> list[Any]:
     if hasattr(metadata, "parts"):
         parts = [
             [p.first, p.end, repr(p.plan), p.role, _launch(p.attention), _launch(p.reduce),
-             None if p.gluon is None else repr(p.gluon.kwargs)]
+             None if p.gluon is None else {k: _value(k, v) for k, v in sorted(p.gluon.kwargs.items())}]
             for p in metadata.parts
         ]  # fmt: skip
         return [repr(metadata.step_choice), *parts]
@@ -117,10 +117,19 @@ def draw(rng: random.Random, kind: str) -> tuple[list[int], list[int]]:
     return [max(s, q) for s, q in zip(seq, query, strict=True)], query
 
 
-def record(backend_name: str, seed: int) -> list[Any]:
+def record(backend_name: str, seed: int, gluon: bool = False) -> list[Any]:
     rng = random.Random(seed)
     backend = pagedkv.get_backend(backend_name)
     rows: list[Any] = []
+
+    def builder_for(spec: Any) -> Any:
+        builder = backend.make_builder(spec, "cpu")
+        if gluon and backend_name == "triton":
+            from pagedkv.backends.triton.gluon_plan import gluon_prefill_problem
+
+            # as on an H200: the layer's other limits (a window, fp32) still apply
+            builder.gluon_problem = gluon_prefill_problem(spec, "cpu", capability=(9, 0))
+        return builder
 
     def step(layer: int, label: str, builder: Any, seq: list[int], query: list[int]) -> None:
         try:
@@ -130,12 +139,12 @@ def record(backend_name: str, seed: int) -> list[Any]:
         rows.append([layer, label, seq, query, plan])
 
     for index, spec in enumerate(LAYERS[backend_name]):
-        eager = backend.make_builder(spec, "cpu")
+        eager = builder_for(spec)
         for _ in range(60):
             kind = rng.choice(["decode", "decode", "spec", "mixed", "prefill"])
             step(index, "eager", eager, *draw(rng, kind))
         for max_query_len in (1, 8, 512):
-            graph = backend.make_builder(spec, "cpu")
+            graph = builder_for(spec)
             max_reqs = 256
             tokens = 2048 if max_query_len == 512 else max_reqs * min(max_query_len, 4)
             width = MAX_CONTEXT // spec.block_size + 2
@@ -174,6 +183,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sms", type=int, help="plan for this many SMs")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument(
+        "--gluon",
+        action="store_true",
+        help="triton: plan the Gluon sm_90 prefill where an H200 would (a mixed step's chunk)",
+    )
     args = p.parse_args()
     if args.compare:
         return compare(*args.compare)
@@ -182,7 +196,7 @@ def main() -> int:
     if args.sms:  # the builder's module reads the SM count at construction
         module = importlib.import_module(f"pagedkv.backends.{args.backend}.builder")
         module.num_sms = lambda device: args.sms
-    rows = record(args.backend, args.seed)
+    rows = record(args.backend, args.seed, args.gluon)
     with open(args.out, "w") as f:
         json.dump(rows, f)
     errors = sum(isinstance(r[4], str) for r in rows)

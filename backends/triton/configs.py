@@ -260,8 +260,34 @@ class StepShape:
         return StepShape(np.full(n, q, dtype=np.int64), np.full(n, common.max_seq_len, np.int64))
 
     def part(self, first: int, end: int) -> StepShape:
-        """Requests ``[first, end)``."""
-        return StepShape(self.query_lens[first:end], self.seq_lens[first:end])
+        """Requests ``[first, end)`` (one object per range: the plan of a two-part step
+        reads each part several times, and each keeps what it computed)."""
+        parts = self._parts
+        found = parts.get((first, end))
+        if found is None:
+            found = parts[(first, end)] = StepShape(
+                self.query_lens[first:end], self.seq_lens[first:end]
+            )
+        return found
+
+    @functools.cached_property
+    def _parts(self) -> dict[tuple[int, int], StepShape]:
+        return {}
+
+    @functools.cached_property
+    def _costs(self) -> dict[tuple[int, int], tuple[LayerShape, tuple[float, float]]]:
+        """``step_cost`` by (the layer's id, rows per program), with the layer kept."""
+        return {}
+
+    @functools.cached_property
+    def _live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The requests with queries: their query lengths, sequence lengths, the latter
+        as floats, and their contexts."""
+        q, seq = self.query_lens, self.seq_lens
+        if not self.all_live:
+            live = q > 0
+            q, seq = q[live], seq[live]
+        return q, seq, seq.astype(np.float64), seq - q
 
     # read many times by one step's plan (a shape's arrays are never written)
     @functools.cached_property
@@ -320,21 +346,23 @@ def mma_rate(layer: LayerShape, block_m: int) -> float:
 def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, float]:
     """(compute, memory) of a step at ``block_m`` rows, in (row, key) products at the
     full tensor rate (per KV head; every KV head costs the same)."""
-    q, seq = step.query_lens, step.seq_lens
-    if not step.all_live:
-        live = q > 0
-        q, seq = q[live], seq[live]
+    kept = step._costs.get((id(layer), block_m))
+    if kept is not None and kept[0] is layer:  # a step's plan asks for some costs again
+        return kept[1]
+    q, seq, seq_f64, context = step._live
     block_q = block_m // layer.group
     blocks = -(-q // block_q)
-    context = seq - q
     # causal: a query block sees its context and, on average, half its queries
-    keys = np.minimum(seq, context + (q + block_q) / 2) if layer.causal else seq.astype(np.float64)
-    distinct = seq.astype(np.float64)  # keys the request's blocks read between them
+    keys = np.minimum(seq, context + (q + block_q) / 2) if layer.causal else seq_f64
+    distinct = seq_f64  # keys the request's blocks read between them
     if layer.window is not None:
         keys = np.minimum(keys, layer.window + block_q)
         distinct = np.minimum(distinct, layer.window + q)
-    compute = float((blocks * block_m * keys).sum()) / mma_rate(layer, block_m)
-    memory = float((distinct + L2_REREAD_COST * (blocks - 1) * keys).sum()) * rows_per_key(layer)
+    # np.add.reduce: ndarray.sum without its Python frame (the same pairwise sum)
+    compute = float(np.add.reduce(blocks * block_m * keys)) / mma_rate(layer, block_m)
+    memory = np.add.reduce(distinct + L2_REREAD_COST * (blocks - 1) * keys)
+    memory = float(memory) * rows_per_key(layer)
+    step._costs[(id(layer), block_m)] = (layer, (compute, memory))
     return compute, memory
 
 
