@@ -344,38 +344,20 @@ class AttentionImpl(ABC, Generic[M]):
         # messages below only when one fails
         q_dims, out_dims, k_dims, v_dims = self._row_dims
         dtype = s.dtype
-        if (
-            isinstance(query, torch.Tensor)
-            and query.shape == (num_tokens, *q_dims)
-            and query.dtype == dtype
-            and (
-                output is None
-                or (
-                    isinstance(output, torch.Tensor)
-                    and output.shape == (num_tokens, *out_dims)
-                    and output.dtype == dtype
-                    and output.device == query.device
-                )
-            )
-            and (
+        if _rows_ok(query, (num_tokens, *q_dims), dtype, None):
+            device = query.device
+            if (output is None or _rows_ok(output, (num_tokens, *out_dims), dtype, device)) and (
                 (key is None and value is None)
                 or (
-                    isinstance(key, torch.Tensor)
-                    and key.shape == (num_tokens, *k_dims)
-                    and key.dtype == dtype
-                    and key.device == query.device
+                    _rows_ok(key, (num_tokens, *k_dims), dtype, device)
                     and (
                         value is None
                         if v_dims is None
-                        else isinstance(value, torch.Tensor)
-                        and value.shape == (num_tokens, *v_dims)
-                        and value.dtype == dtype
-                        and value.device == query.device
+                        else _rows_ok(value, (num_tokens, *v_dims), dtype, device)
                     )
                 )
-            )
-        ):
-            return
+            ):
+                return
         expect_tensor("query", query, (num_tokens, s.num_heads, s.head_size), s.dtype)
         device = query.device
         if s.is_mla:
@@ -413,6 +395,16 @@ class CacheViews:
     shape: torch.Size
     k: torch.Tensor
     v: torch.Tensor
+
+
+def _rows_ok(t: object, shape: tuple[int, ...], dtype: torch.dtype, device: object) -> bool:
+    """``expect_tensor``'s test without its messages (``device`` None: any)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == shape
+        and t.dtype == dtype
+        and (device is None or t.device == device)
+    )
 
 
 def expect_tensor(
