@@ -26,7 +26,7 @@ from pagedkv.backends.triton.gluon_plan import (
 )
 from pagedkv.errors import UnsupportedError
 from pagedkv.spec import AttentionSpec
-from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups, shared_group
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs, layer_groups
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import LOG2E
 
@@ -70,25 +70,29 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         # the launches skip Triton's per-call dispatch once their variant is known: the
         # step's and the layer's arguments are specialised once, the forward's at each call
         if len(metadata.parts) == 2 and self.overlap_parts and query.is_cuda:
-            launches = self._launches(query, kv_cache, metadata, output, longer_first=True)
-            self._attend_overlapped(launches, query.device)
+            self._attend_overlapped(query, kv_cache, metadata, output)
             return
         for _, template, layer, call in self._launches(query, kv_cache, metadata, output):
             template.run_with(*layer, call=call)
 
     def _attend_overlapped(
         self,
-        launches: Iterator[tuple[int, KernelLaunch, tuple[LaunchArgs, ...], CallArgs]],
-        device: torch.device,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        output: torch.Tensor,
     ) -> None:
         """A two-part step (decodes and longer requests) with its parts on two streams:
         the decodes stream the cache (memory-bound), the longer requests' queries keep
         the tensor cores busy (compute-bound), so each runs in what the other leaves of
         the SMs. The longer part goes first, on a stream of higher priority, so that its
         programs are placed first; the caller's stream waits for both (CUDA graphs
-        capture the fork and the join). ``launches`` come longer part first: its launch
-        leaves the host before the decodes' arguments are found (an eager step's host
-        time is on its critical path where the longer part is the longer kernel)."""
+        capture the fork and the join). The launches come longer part first, so its
+        launch leaves the host before the decodes' arguments are found (an eager step's
+        host time is on its critical path where the longer part is the longer kernel),
+        and the join is recorded after the side stream's last launch."""
+        device = query.device
+        launches = self._launches(query, kv_cache, metadata, output, longer_first=True)
         side_stream = _SIDE_STREAMS.get(device)
         if side_stream is None:  # one per device, for every layer and step
             side_stream = _SIDE_STREAMS[device] = _SideStream(device)
@@ -209,8 +213,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             )
             # the merge's own tensors (sinks) are a subset of the attention's, passed
             # with the forward's call (``reduce_call_names``)
+            reduce, _ = layer_groups(reduce_args, own=_LAYER_TENSORS)
             own_reduce = tuple(n for n in reduce_args if n in _LAYER_TENSORS)
-            reduce = shared_group({k: v for k, v in reduce_args.items() if k not in own_reduce})
             memo.launch_args = (
                 device,
                 _LayerArgs(

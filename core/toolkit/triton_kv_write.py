@@ -192,7 +192,8 @@ def _write_args(
     kst, vst = key.stride(), val.stride()
     kcs, vcs = k_store.stride(), vcache.stride()
     num_rows = slot_mapping.shape[0] * num_heads
-    cache = _cache_geometry(kcs, vcs, k_view.shape[0] * k_view.shape[1], k_scale, v_scale)
+    num_slots = k_view.shape[0] * k_view.shape[1]
+    cache = _cache_geometry(kcs, vcs, num_slots, float(k_scale), float(v_scale))
     call = dict(
         Key=key, Value=val, KCache=k_store, VCache=vcache, SlotMapping=slot_mapping,
         num_rows=num_rows,
@@ -246,8 +247,8 @@ def _cache_geometry(
     share theirs), so that a write specialises only its rows, slots and views."""
     return LaunchArgs(
         dict(
-            k_scale=1.0 / float(k_scale),  # the kernel multiplies by the reciprocal, like torch
-            v_scale=1.0 / float(v_scale),
+            k_scale=1.0 / k_scale,  # the kernel multiplies by the reciprocal, like torch
+            v_scale=1.0 / v_scale,
             num_slots=num_slots,
             stride_kcb=k_strides[0],
             stride_kcs=k_strides[1],
