@@ -123,7 +123,7 @@ def forward_overhead() -> None:
         "decode 1x32k": ([32768], [1]),
         "mixed 16+1": ([4000] * 16 + [31621], [1] * 16 + [256]),
     }
-    from pagedkv.toolkit.triton_kv_write import write_kv_triton
+    from pagedkv.toolkit.triton_kv_write import CacheWriter
 
     print(
         f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}  "
@@ -151,13 +151,12 @@ def forward_overhead() -> None:
             for i, c in zip(impls, caches, strict=True)
         ]
         first_us, layer_us = step_forward_us(builder, common, layers)
-        # the step's K/V rows into the layer's cache, as a GPU's forward writes them
+        # the step's K/V rows into the layer's cache, as a GPU's forward writes them (the
+        # writer kept per cache, as ``AttentionImpl.cache_writer`` keeps it)
         rows = torch.randn(query.shape[0], SPEC.num_kv_heads, SPEC.head_size).to(SPEC.dtype)
         views = impl.cache_views(cache)
-        write_us = median_us(
-            functools.partial(write_kv_triton, rows, rows, views.k, views.v, common.slot_mapping),
-            4000,
-        )
+        writer = CacheWriter(views.k, views.v)
+        write_us = median_us(functools.partial(writer, rows, rows, common.slot_mapping), 4000)
         print(
             f"{name:>14}  {launches:>8}  {us:>10.1f}  {first_us:>16.1f}  {layer_us:>32.1f}  "
             f"{write_us:>11.1f}"

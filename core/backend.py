@@ -28,8 +28,8 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from pagedkv.capabilities import Capabilities
@@ -40,6 +40,9 @@ from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.options import BackendOption, OptionValue
 from pagedkv.spec import AttentionSpec
 from pagedkv.step_check import check_step, full_validation_enabled
+
+if TYPE_CHECKING:
+    from pagedkv.toolkit.kv_write import KVWriter
 
 M = TypeVar("M")
 
@@ -249,21 +252,24 @@ class AttentionImpl(ABC, Generic[M]):
         metadata: M,
     ) -> None:
         """Store key/value rows at metadata's slot_mapping; negative slots are skipped.
-        Default: the shared writer (pagedkv.toolkit.kv_write) through the layout's views."""
-        from pagedkv.toolkit.kv_write import write_kv_by_slot
+        Default: the shared writer (pagedkv.toolkit.kv_write) through the layout's views,
+        kept per cache (``cache_writer``)."""
+        self.cache_writer(kv_cache)(key, value, metadata.slot_mapping)  # type: ignore[attr-defined]
 
+    def cache_writer(self, kv_cache: torch.Tensor) -> KVWriter:
+        """The shared KV writer into ``kv_cache``'s views (``pagedkv.toolkit.kv_write.
+        cache_writer``: ``writer(key, value, slot_mapping)``), kept with the views
+        (``cache_views``): what depends only on the cache is found once per cache."""
         views = self.cache_views(kv_cache)
-        k_view, v_view = views.k, views.v
-        s, md = self.spec, metadata
-        write_kv_by_slot(
-            key,
-            value,
-            k_view,
-            None if value is None else v_view,
-            md.slot_mapping,  # type: ignore[attr-defined]
-            s.k_scale,
-            s.v_scale,
-        )
+        writer = views.derived.get("writer")
+        if writer is None:
+            from pagedkv.toolkit.kv_write import cache_writer
+
+            s = self.spec
+            writer = views.derived["writer"] = cache_writer(
+                views.k, None if s.is_mla else views.v, s.k_scale, s.v_scale
+            )
+        return writer
 
     def cache_views(self, kv_cache: torch.Tensor) -> CacheViews:
         """The layout's logical K and V views of ``kv_cache`` (``CacheLayout.logical``),
@@ -388,13 +394,15 @@ class AttentionImpl(ABC, Generic[M]):
 class CacheViews:
     """A cache's logical views (``AttentionImpl.cache_views``): K ``[num_blocks,
     block_size, num_kv_heads, head_size]`` and V (a latent cache's: K's prefix), on the
-    cache's storage."""
+    cache's storage; ``derived``: what impls make of the views once per cache (its
+    writer: ``AttentionImpl.cache_writer``), dropped with them."""
 
     cache: weakref.ref[torch.Tensor]
     data_ptr: int
     shape: torch.Size
     k: torch.Tensor
     v: torch.Tensor
+    derived: dict[object, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _rows_ok(t: object, shape: tuple[int, ...], dtype: torch.dtype, device: object) -> bool:

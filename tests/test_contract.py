@@ -156,6 +156,25 @@ def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
     assert ref() is None and impl._kept_views is None
 
 
+def test_the_cache_writer_is_kept_with_the_caches_views():
+    """``write_kv``'s writer is found once per cache (with its views) and made anew for
+    another cache; what it writes is what a fresh impl writes."""
+    backend = TorchBackend()
+    impl, fresh = backend.make_impl(SPEC), backend.make_impl(SPEC)
+    md = backend.make_builder(SPEC, "cpu").build(_step([3], [3], [[1]]))
+    first, second = (backend.allocate_kv_cache(4, SPEC, "cpu") for _ in range(2))
+    writer = impl.cache_writer(first)
+    assert impl.cache_writer(first) is writer
+    assert impl.cache_views(first).derived["writer"] is writer
+    _, key, value = _inputs(3)
+    impl.write_kv(key, value, first, md)
+    assert impl.cache_writer(first) is writer
+    assert impl.cache_writer(second) is not writer
+    want = backend.allocate_kv_cache(4, SPEC, "cpu")
+    fresh.write_kv(key, value, want, md)
+    assert torch.equal(first, want) and not torch.equal(second, want)
+
+
 def test_a_step_of_no_token_rows_writes_and_attends_nothing():
     # a kernel launcher may reject zero rows (JAX's Pallas raised from inside its gather):
     # the shared forward never asks one for them, and still checks its arguments

@@ -484,6 +484,16 @@ def test_call_args_are_found_once_for_every_launch_that_takes_them():
         fresh.names, fresh.specs, fresh.values, fresh.key, dict(fresh.mapping),
     )  # fmt: skip
     assert dispatch.CallArgs({"X": x[1:], "stride": 5}).key != call.key
+    # extended by a layer's arguments: as a fresh call of both, and its subsets too
+    fixed = dispatch.CallArgs({"W": torch.zeros(4, dtype=torch.float16)})
+    extended, both = call.extended(fixed), dispatch.CallArgs({**call.mapping, **fixed.mapping})
+    assert (extended.names, extended.specs, extended.values, extended.key) == (
+        both.names, both.specs, both.values, both.key,
+    )  # fmt: skip
+    assert dict(extended.mapping) == dict(both.mapping)
+    picked = extended.subset(("W", "X"))
+    assert dict(picked.mapping) == {"W": fixed.mapping["W"], "X": x}
+    assert call.extended(fixed).key == extended.key
 
 
 def test_a_direct_launch_encodes_each_tma_descriptor_once_per_address_and_shape(monkeypatch):

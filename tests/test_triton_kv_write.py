@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from pagedkv.toolkit.kv_write import quantize_for_cache, write_kv_by_slot
+from pagedkv.toolkit.kv_write import cache_writer, quantize_for_cache, write_kv_by_slot
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -136,6 +136,32 @@ def test_argument_errors_name_the_field():
         write_kv_by_slot(key, key, cache[0], cache[1], slots.float(), use_triton=True)
     with pytest.raises(ValueError, match="value and v_view must be given together"):
         write_kv_by_slot(key, key, cache[0], None, slots, use_triton=True)
+    with pytest.raises(ValueError, match=r"v_view: expected blocks and heads \(3, 16, 2\)"):
+        write_kv_by_slot(key, key[:, :1], cache[0], cache[1, :, :, :1], slots, use_triton=True)
+
+
+def test_a_kept_writer_checks_each_writes_rows_and_slots():
+    """A writer kept for a cache's views (``cache_writer``) writes each call's rows as a
+    one-call write does, and names the argument that does not fit its views."""
+    cache = torch.zeros(2, 3, 16, 2, 32, device=DEVICE).half()
+    want = cache.clone()
+    writer = cache_writer(cache[0], cache[1], use_triton=True)
+    for seed in range(2):
+        key = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(seed)).half()
+        slots = torch.tensor([seed, 20 + seed, -1, 47], device=DEVICE)
+        writer(key.to(DEVICE), key.to(DEVICE), slots)
+        write_kv_by_slot(key.to(DEVICE), key.to(DEVICE), want[0], want[1], slots, use_triton=False)
+    assert torch.equal(cache, want)
+    key = torch.zeros(4, 2, 32, device=DEVICE).half()
+    slots = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_view: expected \[num_blocks, block_size, 2, 16\]"):
+        writer(key[..., :16], key, slots)
+    with pytest.raises(ValueError, match="key: expected \\[T, H, D\\]"):
+        writer(key[0], key, slots)
+    with pytest.raises(ValueError, match="value and v_view must be given together"):
+        writer(key, None, slots)
+    with pytest.raises(ValueError, match="slot_mapping: expected a 1-D int64 tensor"):
+        writer(key, key, slots[None])
 
 
 def test_importing_pagedkv_does_not_import_triton():

@@ -19,7 +19,7 @@ from pagedkv.backends.mla.builder import MLAMetadata
 from pagedkv.backends.mla.plan import POINTER, LayerArgs, StepPlan, cache_problem, layer_args
 from pagedkv.errors import UnsupportedError
 from pagedkv.toolkit.interpreter import interpreter_problem
-from pagedkv.toolkit.kv_write import write_kv_by_slot
+from pagedkv.toolkit.kv_write import cache_writer
 from pagedkv.toolkit.launch import KernelLaunch
 
 
@@ -79,13 +79,26 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(key, value, k_view, v_view) for the shared writer: kv_c into the latent's
         first L values, k_pe into the last R (one launch); value None when R = 0."""
+        k_view, v_view = self._latent_parts(kv_cache)
+        key, value = self._latent_rows(kv_c, k_pe)
+        return key, value, k_view, v_view
+
+    def _latent_parts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The latent's views [N, B, 1, L] and [N, B, 1, R] (None when R = 0)."""
         lora = self.spec.kv_lora_rank
         latent = self.cache_views(kv_cache).k  # [N, B, 1, L + R]
-        if k_pe.dim() == 2:
-            k_pe = k_pe.unsqueeze(1)
         if self.spec.qk_rope_head_dim == 0:
-            return kv_c.unsqueeze(1), None, latent[..., :lora], None
-        return kv_c.unsqueeze(1), k_pe, latent[..., :lora], latent[..., lora:]
+            return latent[..., :lora], None
+        return latent[..., :lora], latent[..., lora:]
+
+    def _latent_rows(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_c and k_pe as the writer's [T, 1, L] and [T, 1, R] rows (k_pe None when
+        R = 0)."""
+        if self.spec.qk_rope_head_dim == 0:
+            return kv_c.unsqueeze(1), None
+        return kv_c.unsqueeze(1), k_pe.unsqueeze(1) if k_pe.dim() == 2 else k_pe
 
     def _write_parts(
         self,
@@ -101,12 +114,15 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
             expect_tensor("k_pe", k_pe, (num_tokens, 1, s.qk_rope_head_dim), s.dtype)
         else:
             expect_tensor("k_pe", k_pe, (num_tokens, s.qk_rope_head_dim), s.dtype)
-        key, value, k_view, v_view = self.latent_write_operands(kv_c, k_pe, kv_cache)
-        # one scale for both parts: the whole latent row is stored / k_scale
-        write_kv_by_slot(
-            key, value, k_view, v_view, metadata.slot_mapping, s.k_scale, s.k_scale,
-            use_triton=use_triton,
-        )  # fmt: skip
+        # the latent's two parts' writer, kept with the cache's views (per kernel choice)
+        derived = self.cache_views(kv_cache).derived
+        writer = derived.get(("latent writer", use_triton))
+        if writer is None:
+            # one scale for both parts: the whole latent row is stored / k_scale
+            writer = derived[("latent writer", use_triton)] = cache_writer(
+                *self._latent_parts(kv_cache), s.k_scale, s.k_scale, use_triton=use_triton
+            )
+        writer(*self._latent_rows(kv_c, k_pe), metadata.slot_mapping)
 
     # -- attention --------------------------------------------------------------------
 

@@ -200,7 +200,7 @@ class StepPlan:
         # one query token per request: its causal limit is the sequence's end
         causal = layer.causal and self.multi_token
         group, own = layer.attention_group(causal)
-        parts = [(self.attention, (group,), CallArgs(call, fixed=own))]
+        parts = [(self.attention, (group,), CallArgs(call).extended(own))]
         if self.reduce is not None:
             parts.append((self.reduce, (layer.reduce_group(),), output))
         return parts

@@ -153,8 +153,8 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             )
         # the forward's own arguments, the same names in every kernel (strides checked),
         # specialised once for all of the forward's launches
-        forward_args = call_args(query, output)
-        gluon_call = portable_call = reduce_call = None
+        forward_call = CallArgs(call_args(query, output))
+        portable_call = reduce_call = None
         # parts planned for the Gluon kernel take it, unless TMA cannot read this cache
         gluon_layer = None
         if any(part.gluon is not None for part in md.parts):
@@ -163,15 +163,13 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         parts = enumerate(md.parts)
         for index, part in reversed(tuple(parts)) if longer_first else parts:
             if part.gluon is not None and gluon_layer is not None:
-                if gluon_call is None:
-                    gluon_call = CallArgs(forward_args)
-                yield index, part.gluon.template, (gluon_layer,), gluon_call
+                yield index, part.gluon.template, (gluon_layer,), forward_call
                 continue
             if layer_args is None:
                 layer_args = self._layer_launch_args(query.device, kv_cache)
                 # the layer's tensors go with the forward's: the layer's other arguments
                 # are then one group that every layer of its shape shares
-                portable_call = CallArgs(forward_args, fixed=layer_args.tensors)
+                portable_call = forward_call.extended(layer_args.tensors)
             assert portable_call is not None
             yield index, part.attention, (layer_args.attention,), portable_call
             if part.reduce is not None:

@@ -1,8 +1,8 @@
 """The backend author's toolkit: stable building blocks a backend may import.
 
 - ``pagedkv.toolkit.kv_write``: write new K/V rows into any layout's logical views by
-  slot mapping (16-bit and fp8 caches, bit-identical on every device), quantise and
-  dequantise fp8 cache values.
+  slot mapping (16-bit and fp8 caches, bit-identical on every device), a writer kept
+  per pair of views (``cache_writer``), quantise and dequantise fp8 cache values.
 - ``pagedkv.toolkit.triton_kv_write``: the Triton kernel behind the writer on CUDA
   (imports triton).
 - ``pagedkv.toolkit.triton_helpers``: ``@triton.jit`` helpers (fp32 -> fp8 bits,

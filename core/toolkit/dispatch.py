@@ -264,24 +264,19 @@ class LaunchArgs:
 class CallArgs:
     """A call's own arguments (a forward's query, output and their strides) with each
     one's specialisation and launch value, found once for every launch that takes them.
-    ``fixed``: arguments found once for many calls, appended (a layer's cache views:
-    passed per call so that every layer of a step shares one layout, ``_layout``)."""
+    ``extended``: with arguments found once for many calls appended (a layer's cache
+    views: passed per call so that every layer of a step shares one layout, ``_layout``)."""
 
     __slots__ = ("_fixed", "_mapping", "_source", "key", "names", "specs", "values")
 
-    def __init__(self, mapping: Mapping[str, Any], fixed: CallArgs | None = None) -> None:
+    def __init__(self, mapping: Mapping[str, Any]) -> None:
         self._mapping: Mapping[str, Any] | None = mapping
-        # where ``mapping`` finds the arguments: the call's own (with ``_fixed``'s), or
-        # the call a subset was picked from
-        self._source: Mapping[str, Any] | CallArgs | None = None
-        self._fixed = fixed
+        # where ``mapping`` finds the arguments when made lazily: the call an extended or
+        # picked call was made from (with ``_fixed``'s, extended)
+        self._source: CallArgs | None = None
+        self._fixed: CallArgs | None = None
         self.names = tuple(mapping)
         self.specs, self.values = zip(*map(call_entry, mapping.values())) if mapping else ((), ())
-        if fixed is not None:
-            self._mapping, self._source = None, mapping
-            self.names += fixed.names
-            self.specs += fixed.specs
-            self.values += fixed.values
         self.key = _call_key(self.names, self.specs)
 
     @property
@@ -289,14 +284,27 @@ class CallArgs:
         """The arguments by name (Triton's dispatch takes them so), made when first asked
         for: a forward's direct launches never need it."""
         if self._mapping is None:
-            source = self._source
-            assert source is not None
-            if isinstance(source, CallArgs):
-                source = source.mapping
-            elif self._fixed is not None:
+            assert self._source is not None
+            source = self._source.mapping
+            if self._fixed is not None:
                 source = {**source, **self._fixed.mapping}
             self._mapping = {n: source[n] for n in self.names}
         return self._mapping
+
+    def extended(self, fixed: CallArgs) -> CallArgs:
+        """These arguments followed by ``fixed``'s (found once for many calls), the
+        combination's key kept (a forward's arguments go to kernels with and without a
+        layer's tensors)."""
+        key = _EXTENDED.get((self.key, fixed.key))
+        if key is None:
+            key = _EXTENDED[(self.key, fixed.key)] = _call_key(
+                self.names + fixed.names, self.specs + fixed.specs
+            )
+        out = object.__new__(CallArgs)
+        out._mapping, out._source, out._fixed = None, self, fixed
+        out.names, out.key = self.names + fixed.names, key
+        out.specs, out.values = self.specs + fixed.specs, self.values + fixed.values
+        return out
 
     def subset(self, names: tuple[str, ...]) -> CallArgs:
         """The arguments ``names`` (in that order), without finding them again."""
@@ -336,7 +344,7 @@ def shared_group(values: Mapping[str, Any]) -> LaunchArgs:
 def layer_groups(values: Mapping[str, Any], own: Sequence[str]) -> tuple[LaunchArgs, CallArgs]:
     """A layer's launch arguments as (a group shared by every layer of equal values, the
     layer's ``own`` ones, its tensors and descriptors, as fixed call arguments): each
-    forward passes those with its own (``CallArgs(..., fixed=)``), found once here."""
+    forward passes those with its own (``CallArgs.extended``), found once here."""
     return (
         shared_group({k: v for k, v in values.items() if k not in own}),
         CallArgs({k: values[k] for k in own if k in values}),
@@ -348,6 +356,8 @@ def layer_groups(values: Mapping[str, Any], own: Sequence[str]) -> tuple[LaunchA
 _CALL_KEYS: dict[tuple, int] = {}
 # a subset's argument positions and key, by (the call's key, the subset's names)
 _SUBSETS: dict[tuple, tuple[list[int], int]] = {}
+# an extended call's key, by (the call's key, the appended arguments' key)
+_EXTENDED: dict[tuple[int, int], int] = {}
 
 
 def _call_key(names: tuple[str, ...], specs: tuple[Any, ...]) -> int:

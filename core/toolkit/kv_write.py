@@ -1,6 +1,7 @@
 """Writing new K/V rows into any layout's logical view, by slot mapping.
 
-``write_kv_by_slot`` is what backends call: on CUDA it launches the Triton kernel
+``write_kv_by_slot`` is what backends call (``cache_writer`` is the same write kept for
+one pair of views: an impl keeps one per cache): on CUDA it launches the Triton kernel
 of ``pagedkv.toolkit.triton_kv_write`` (one launch for K and V, no host sync, CUDA-graph
 capturable); elsewhere it falls back to ``write_rows_by_slot``, the portable torch
 path, which syncs the host (a boolean mask over the slots). Both store the same
@@ -11,8 +12,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
+
+# a write into one pair of cache views: writer(key, value, slot_mapping) (``cache_writer``)
+KVWriter = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
 
 
 def quantize_for_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -91,19 +96,49 @@ def write_kv_by_slot(
     """
     if use_triton is None:
         use_triton = key.is_cuda and _triton_installed()
-    if not use_triton:
-        write_rows_by_slot(key, k_view, slot_mapping, k_scale)
-        if value is not None:
-            if v_view is None:
-                raise ValueError("value was given without v_view")
-            write_rows_by_slot(value, v_view, slot_mapping, v_scale)
-        return
-    from pagedkv.toolkit.interpreter import interpreting
-    from pagedkv.toolkit.triton_kv_write import write_kv_triton
+    cache_writer(k_view, v_view, k_scale, v_scale, use_triton=use_triton)(key, value, slot_mapping)
 
-    if not key.is_cuda and not interpreting():
+
+def cache_writer(
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    use_triton: bool | None = None,
+) -> KVWriter:
+    """The write into these views, as ``writer(key, value, slot_mapping)``
+    (``write_kv_by_slot``'s arguments): the Triton kernel's ``CacheWriter``, which finds
+    what depends on the views once (an impl keeps one per cache:
+    ``AttentionImpl.cache_writer``), or the torch path. use_triton: None picks the
+    kernel for CUDA views (when triton is installed)."""
+    if use_triton is None:
+        use_triton = k_view.is_cuda and _triton_installed()
+    if not use_triton:
+        return functools.partial(_write_rows_kv, k_view, v_view, k_scale, v_scale)
+    from pagedkv.toolkit.interpreter import interpreting
+    from pagedkv.toolkit.triton_kv_write import CacheWriter
+
+    if not k_view.is_cuda and not interpreting():
         raise ValueError(
-            f"the Triton KV write needs CUDA tensors (key is on {key.device}), or "
+            f"the Triton KV write needs CUDA tensors (the cache is on {k_view.device}), or "
             "TRITON_INTERPRET=1 set before pagedkv.toolkit.triton_kv_write is first imported"
         )
-    write_kv_triton(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)
+    return CacheWriter(k_view, v_view, k_scale, v_scale)
+
+
+def _write_rows_kv(
+    k_view: torch.Tensor,
+    v_view: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The torch path of ``write_kv_by_slot`` (the views first)."""
+    write_rows_by_slot(key, k_view, slot_mapping, k_scale)
+    if value is not None:
+        if v_view is None:
+            raise ValueError("value was given without v_view")
+        write_rows_by_slot(value, v_view, slot_mapping, v_scale)

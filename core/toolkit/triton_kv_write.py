@@ -14,14 +14,13 @@ Importing this module imports triton; ``pagedkv`` itself never does.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from pagedkv.intmath import cdiv, next_power_of_2
 from pagedkv.toolkit import dispatch
-from pagedkv.toolkit.dispatch import LaunchArgs
+from pagedkv.toolkit.dispatch import CallArgs, LaunchArgs
 from pagedkv.toolkit.launch import KernelLaunch
 from pagedkv.toolkit.triton_helpers import fp32_to_fp8_bits
 
@@ -132,75 +131,121 @@ def plan_write_kv(
     k_view / v_view: [num_blocks, block_size, H, D(v)], any strides;
     slot_mapping: [T'] int64 (or int32), T' <= T.
     """
-    grid, groups, call = _write_args(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)
-    return KernelLaunch(write_kv_kernel, grid, {**call, **groups[0].values, **groups[1].values})
-
-
-def _write_args(
-    key: torch.Tensor,
-    value: torch.Tensor | None,
-    k_view: torch.Tensor,
-    v_view: torch.Tensor | None,
-    slot_mapping: torch.Tensor,
-    k_scale: float,
-    v_scale: float,
-) -> tuple[tuple[int], tuple[LaunchArgs, LaunchArgs], dict[str, Any]]:
-    """The checked launch: (grid, its groups (the constants of the layer's shape, and
-    the cache's geometry and scales: shared by every layer of that shape), the call's
-    own arguments: the rows, the slots, the cache views)."""
-    _check_rows("key", key, k_view, "k_view")
-    if (value is None) != (v_view is None):
-        raise ValueError("value and v_view must be given together (or both None)")
-    if value is not None:
-        _check_rows("value", value, v_view, "v_view")
-        if v_view.shape[:2] != k_view.shape[:2] or v_view.dtype != k_view.dtype:
-            raise ValueError(
-                f"v_view: expected blocks {tuple(k_view.shape[:2])} and dtype {k_view.dtype} "
-                f"like k_view, got {tuple(v_view.shape[:2])} and {v_view.dtype}"
-            )
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"slot_mapping: expected a 1-D int64 tensor, got {slot_mapping.dtype} "
-            f"of shape {tuple(slot_mapping.shape)}"
-        )
-    if slot_mapping.shape[0] > key.shape[0]:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} rows"
-        )
-    # the kernel reads slots with unit stride: a strided view would write wrong slots
-    slot_mapping = slot_mapping.contiguous()
-    device = key.device
-    for name, t in (("k_view", k_view), ("v_view", v_view), ("slot_mapping", slot_mapping)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name}: expected on {device} like key, got {t.device}")
-    fp8 = k_view.dtype in _FP8_MANTISSA_BITS
-    if k_view.dtype.itemsize == 1 and not fp8:
-        raise ValueError(
-            f"k_view: cache dtype {k_view.dtype} is not supported "
-            f"(fp8 caches: {', '.join(str(d) for d in _FP8_MANTISSA_BITS)})"
-        )
-    # fp8 bits are computed in the kernel and stored as bytes
-    k_store = k_view.view(torch.uint8) if fp8 else k_view
-    v_store = None if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
-    num_heads, head_size = key.shape[1], key.shape[2]
-    has_value = value is not None
-    head_size_v = value.shape[2] if has_value else head_size
-    constants = _constants(
-        k_view.dtype, num_heads, head_size, head_size_v, k_view.shape[1], has_value
+    writer = CacheWriter(k_view, v_view, k_scale, v_scale)
+    grid, groups, call = writer.launch_args(key, value, slot_mapping)
+    return KernelLaunch(
+        write_kv_kernel,
+        grid,
+        {**call.mapping, **{k: v for g in groups for k, v in g.values.items()}},
     )
-    val, vcache = (value, v_store) if has_value else (key, k_store)
-    kst, vst = key.stride(), val.stride()
-    kcs, vcs = k_store.stride(), vcache.stride()
-    num_rows = slot_mapping.shape[0] * num_heads
-    num_slots = k_view.shape[0] * k_view.shape[1]
-    cache = _cache_geometry(kcs, vcs, num_slots, float(k_scale), float(v_scale))
-    call = dict(
-        Key=key, Value=val, KCache=k_store, VCache=vcache, SlotMapping=slot_mapping,
-        num_rows=num_rows,
-        stride_kt=kst[0], stride_kh=kst[1], stride_kd=kst[2],
-        stride_vt=vst[0], stride_vh=vst[1], stride_vd=vst[2],
-    )  # fmt: skip
-    return (cdiv(num_rows, constants.values["BLOCK_R"]),), (constants, cache), call
+
+
+class CacheWriter:
+    """The Triton KV write into one pair of cache views: what depends only on the views
+    (their checks, fp8 byte views, the kernel's constants for their row shape, their
+    geometry and scales, their addresses) found once, so that each write checks and
+    specialises only its rows and slots. An impl keeps one per cache
+    (``AttentionImpl.cache_writer``): every layer of an eager step writes, and finding
+    those again took a third of the write's host time."""
+
+    __slots__ = ("_groups", "_row_dims", "_shapes", "_views", "block_rows", "device", "has_value")
+
+    def __init__(
+        self,
+        k_view: torch.Tensor,
+        v_view: torch.Tensor | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        _check_view("k_view", k_view)
+        if v_view is not None:
+            _check_view("v_view", v_view)
+            if v_view.shape[:3] != k_view.shape[:3] or v_view.dtype != k_view.dtype:
+                raise ValueError(
+                    f"v_view: expected blocks and heads {tuple(k_view.shape[:3])} and dtype "
+                    f"{k_view.dtype} like k_view, got {tuple(v_view.shape[:3])} and {v_view.dtype}"
+                )
+            if v_view.device != k_view.device:
+                raise ValueError(
+                    f"v_view: expected on {k_view.device} like k_view, got {v_view.device}"
+                )
+        fp8 = k_view.dtype in _FP8_MANTISSA_BITS
+        if k_view.dtype.itemsize == 1 and not fp8:
+            raise ValueError(
+                f"k_view: cache dtype {k_view.dtype} is not supported "
+                f"(fp8 caches: {', '.join(str(d) for d in _FP8_MANTISSA_BITS)})"
+            )
+        # fp8 bits are computed in the kernel and stored as bytes
+        k_store = k_view.view(torch.uint8) if fp8 else k_view
+        v_store = k_store if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
+        num_heads, head_size = k_view.shape[2], k_view.shape[3]
+        self.has_value = v_view is not None
+        head_size_v = v_view.shape[3] if v_view is not None else head_size
+        # the rows' [H, D] (and [H, Dv]) each write must have, and the views' shapes
+        self._row_dims = (k_view.shape[2:], None if v_view is None else v_view.shape[2:])
+        self._shapes = (k_view.shape, None if v_view is None else v_view.shape)
+        self.device = k_view.device
+        constants = _constants(
+            k_view.dtype, num_heads, head_size, head_size_v, k_view.shape[1], self.has_value
+        )
+        self.block_rows: int = constants.values["BLOCK_R"]
+        num_slots = k_view.shape[0] * k_view.shape[1]
+        geometry = _cache_geometry(
+            k_store.stride(), v_store.stride(), num_slots, float(k_scale), float(v_scale)
+        )
+        self._groups = (constants, geometry)
+        # the views' addresses, passed with each write's own arguments
+        self._views = CallArgs({"KCache": k_store, "VCache": v_store})
+
+    def launch_args(
+        self, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor
+    ) -> tuple[tuple[int], tuple[LaunchArgs, ...], CallArgs]:
+        """The checked launch of one write: (grid, the shared groups (the constants of
+        the views' row shape, their geometry and scales, the rows' strides), the call's
+        own arguments: the rows and the slots, with the views')."""
+        k_dims, v_dims = self._row_dims
+        device = self.device
+        if not (key.dim() == 3 and key.shape[1:] == k_dims and key.device == device):
+            _check_rows("key", key, "k_view", self._shapes[0], device)
+        if (value is None) != (v_dims is None):
+            raise ValueError("value and v_view must be given together (or both None)")
+        if value is not None and not (
+            value.dim() == 3 and value.shape[1:] == v_dims and value.device == device
+        ):
+            _check_rows("value", value, "v_view", self._shapes[1], device)
+        if not (
+            slot_mapping.dim() == 1
+            and slot_mapping.dtype in (torch.int64, torch.int32)
+            and slot_mapping.device == device
+        ):
+            raise ValueError(
+                f"slot_mapping: expected a 1-D int64 tensor on {device}, got {slot_mapping.dtype} "
+                f"of shape {tuple(slot_mapping.shape)} on {slot_mapping.device}"
+            )
+        if slot_mapping.shape[0] > key.shape[0]:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.shape[0]} slots but key only {key.shape[0]} rows"
+            )
+        # the kernel reads slots with unit stride: a strided view would write wrong slots
+        slot_mapping = slot_mapping.contiguous()
+        val = key if value is None else value
+        num_rows = slot_mapping.shape[0] * key.shape[1]
+        call = CallArgs(
+            dict(Key=key, Value=val, SlotMapping=slot_mapping, num_rows=num_rows)
+        ).extended(self._views)
+        # the rows' strides: a model's are the same at every layer and step
+        groups = (*self._groups, _row_strides(key.stride(), val.stride()))
+        return (cdiv(num_rows, self.block_rows),), groups, call
+
+    def __call__(
+        self, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor
+    ) -> None:
+        """Launch the write of ``key`` (and ``value``) at ``slot_mapping``. Asynchronous
+        on CUDA."""
+        if slot_mapping.shape[0] == 0:
+            return
+        grid, groups, call = self.launch_args(key, value, slot_mapping)
+        dispatch.launch(write_kv_kernel, grid, groups, call)
 
 
 @functools.lru_cache(maxsize=256)
@@ -262,6 +307,14 @@ def _cache_geometry(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _row_strides(key_strides: tuple[int, ...], value_strides: tuple[int, ...]) -> LaunchArgs:
+    """The rows' strides as one group (``[T, H, D]`` views of a projection's output:
+    the same few from one write to the next)."""
+    names = ("stride_kt", "stride_kh", "stride_kd", "stride_vt", "stride_vh", "stride_vd")
+    return LaunchArgs(dict(zip(names, (*key_strides, *value_strides), strict=True)))
+
+
 def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor | None,
@@ -274,18 +327,26 @@ def write_kv_triton(
     """Launch the write (see ``plan_write_kv`` for shapes). Asynchronous on CUDA. The
     launch skips Triton's per-call dispatch once its variant is known
     (``pagedkv.toolkit.dispatch``): every layer of an eager step writes, and that
-    dispatch took longer than the write's kernel."""
-    if slot_mapping.shape[0] == 0:
-        return
-    grid, groups, call = _write_args(key, value, k_view, v_view, slot_mapping, k_scale, v_scale)
-    dispatch.launch(write_kv_kernel, grid, groups, call)
+    dispatch took longer than the write's kernel. A caller that writes into the same
+    views again keeps their ``CacheWriter``."""
+    CacheWriter(k_view, v_view, k_scale, v_scale)(key, value, slot_mapping)
 
 
-def _check_rows(name: str, rows: torch.Tensor, view: torch.Tensor, view_name: str) -> None:
+def _check_view(name: str, view: torch.Tensor) -> None:
+    if view.dim() != 4:
+        raise ValueError(
+            f"{name}: expected [num_blocks, block_size, H, D], got shape {tuple(view.shape)}"
+        )
+
+
+def _check_rows(
+    name: str, rows: torch.Tensor, view_name: str, view_shape: torch.Size, device: torch.device
+) -> None:
     if rows.dim() != 3:
         raise ValueError(f"{name}: expected [T, H, D], got shape {tuple(rows.shape)}")
-    if view.dim() != 4 or tuple(view.shape[2:]) != tuple(rows.shape[1:]):
+    if rows.shape[1:] != view_shape[2:]:
         raise ValueError(
             f"{view_name}: expected [num_blocks, block_size, {rows.shape[1]}, {rows.shape[2]}] "
-            f"to match {name}, got {tuple(view.shape)}"
+            f"to match {name}, got {tuple(view_shape)}"
         )
+    raise ValueError(f"{name}: expected on {device} like {view_name}, got {rows.device}")
