@@ -250,6 +250,22 @@ for section in "$@"; do
       run convert $PY benchmarks/convert_throughput.py --json "$OUT/convert.json"
       tail -n 20 "$OUT/convert.log"
       ;;
+    ab)  # the tree before a change against this one, in the same call: AB_OLD, a copy of
+      # the old tree (`git archive REV | tar -x -C build/oldtree`, carried), installed apart
+      # (/tmp/oldsite, first on PYTHONPATH for its runs); `pagedkv bench $AB_ARGS` for each,
+      # alternating AB_RUNS times (default 2), one JSON each ($OUT/ab-{old,new}-N.json)
+      $PY -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/oldsite \
+        "${AB_OLD:-build/oldtree}" 2>&1 | grep -v -i warning
+      log "old tree: $(cd /tmp && PYTHONPATH=/tmp/oldsite${PYTHONPATH:+:$PYTHONPATH} $PY -c \
+        'import pagedkv.backends.triton as t; print(t.__file__)')"
+      for ((i = 1; i <= ${AB_RUNS:-2}; i++)); do
+        # (from /tmp: the repository root would put this tree's sources first)
+        (cd /tmp && PYTHONPATH=/tmp/oldsite${PYTHONPATH:+:$PYTHONPATH} \
+          run "ab-old-$i" $PY -m pagedkv.cli bench ${AB_ARGS:-} --json "$OUT/ab-old-$i.json")
+        run "ab-new-$i" $PY -m pagedkv.cli bench ${AB_ARGS:-} --json "$OUT/ab-new-$i.json"
+      done
+      tail -n 30 "$OUT"/ab-*.log
+      ;;
     bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select; BENCH_ARGS: more options
       run bench $PY -m pagedkv.cli bench --backends "${BENCH_BACKENDS:-triton,flashinfer}" \
         --matrix "${BENCH_MATRIX:-standard}" --workloads "${BENCH_WORKLOADS:-}" ${BENCH_ARGS:-} \

@@ -552,7 +552,12 @@ def test_a_direct_kv_write_passes_what_tritons_dispatch_binds(monkeypatch):
     ``plan_write_kv`` plans, the second directly with the same values but its own rows."""
     import pagedkv
     from pagedkv import AttentionSpec
-    from pagedkv.toolkit.triton_kv_write import plan_write_kv, write_kv_kernel, write_kv_triton
+    from pagedkv.toolkit.triton_kv_write import (
+        CacheWriter,
+        plan_write_kv,
+        write_kv_kernel,
+        write_kv_triton,
+    )
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16,
                          block_size=16)  # fmt: skip
@@ -585,3 +590,8 @@ def test_a_direct_kv_write_passes_what_tritons_dispatch_binds(monkeypatch):
     )
     assert variants[1].ran[-1][0] == (*planned.grid, 1, 1)
     assert variants[1].ran[-1][2] == expected
+    # a writer kept for the views (``AttentionImpl.cache_writer``): the same launch
+    writer = CacheWriter(views.k, views.v, 0.5, 2.0)
+    for _ in range(2):
+        writer(rows[2], rows[3], slots)
+        assert len(dispatched) == 1 and variants[1].ran[-1][2] == expected
