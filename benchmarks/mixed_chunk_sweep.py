@@ -33,9 +33,9 @@ DEFAULT_SHAPES = (
     "16:2048:32768:64,32:2048:4096:256:256"
 )
 MODES = {
-    "portable": lambda self, step, part: False,
+    "portable": lambda self, step, first, end: False,
     "rule": TritonMetadataBuilder._gluon_beside_decodes,
-    "gluon": lambda self, step, part: True,
+    "gluon": lambda self, step, first, end: True,
 }
 
 

@@ -1352,6 +1352,21 @@ def test_a_mixed_steps_chunk_takes_the_gluon_kernel_beside_its_decodes():
     # fifteenth session: 498.4 us against 570.6 beside 16 decodes)
     assert chunk_kernel(True, 32768, 256) == "gluon"
     assert chunk_kernel(False, 4096, 256) == "portable"
+    # a chunk that takes the Gluon kernel whatever the portable rule's splits is planned
+    # without the rule: its portable plan, the fallback where TMA cannot read the cache,
+    # is unsplit (the rule would split it), the decodes' plan is the rule's
+    from pagedkv.backends.triton.configs import StepShape, plan_tiles
+
+    builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
+    builder.gluon_problem, builder.num_sms, builder.fits = None, 132, None
+    md = builder.build(step(4096, 256))
+    decodes, chunk = md.parts
+    requests = StepShape.of(md.common)
+    assert chunk.gluon is not None and not chunk.plan.split
+    assert plan_tiles(builder.layer, requests.part(chunk.first, chunk.end), 132).split
+    assert decodes.plan == plan_tiles(
+        builder.layer, requests.part(decodes.first, decodes.end), 132, range_multiples=(1.0,)
+    )
 
 
 @pytest.mark.parametrize(
@@ -1375,7 +1390,7 @@ def test_the_gluon_beside_decodes_rule_on_the_h200s_measured_steps(
 ):
     """The rule's picks on the steps the fourteenth session timed every plan of (132 SMs):
     a change to its rates moves these, and should come with new measurements."""
-    from pagedkv.backends.triton.configs import StepPart, StepShape, TilePlan
+    from pagedkv.backends.triton.configs import StepShape
     from pagedkv.bench.workloads import Layer, mixed
 
     # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
@@ -1386,8 +1401,7 @@ def test_the_gluon_beside_decodes_rule_on_the_h200s_measured_steps(
     builder = pagedkv.get_backend("triton").make_builder(layer.spec(), DEVICE)
     builder.num_sms = 132
     step = StepShape(np.array(w.query_lens), np.array(w.seq_lens))
-    chunk = StepPart(decodes, decodes + 1, TilePlan(None, 1, 2, True, 0, False))
-    assert builder._gluon_beside_decodes(step, chunk) is gluon
+    assert builder._gluon_beside_decodes(step, decodes, decodes + 1) is gluon
 
 
 @pytest.mark.parametrize(

@@ -230,8 +230,28 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             tile=tile,
             listing=self.listing,
         )
+        # the Gluon launch of each part that may take it (``_gluon_candidate``), by range
+        gluon_plans: dict[tuple[int, int], GluonPrefillStep | None] = {}
+
+        def gluon_for(first: int, end: int, whole: bool) -> GluonPrefillStep | None:
+            if (first, end) not in gluon_plans:
+                gluon_plans[(first, end)] = self._gluon_candidate(common, step, first, end, whole)
+            return gluon_plans[(first, end)]
+
+        def gluon_regardless(first: int, end: int, whole: bool) -> bool:
+            gluon = gluon_for(first, end, whole)
+            return gluon is not None and self._gluon_unsplit(gluon, step, first, end, whole)
+
         if bounds is None:
-            parts = plan_step(self.layer, step, self.num_sms, fit=self.fits, **options)
+            # a part the Gluon kernel takes whatever its splits is planned unsplit (its
+            # portable plan only the fallback where TMA cannot read the cache): the split
+            # rule took a seventh of a mixed step's build
+            free = not (forced or keys_per_split or self.batch_invariant or tile is not None)
+            parts = plan_step(
+                self.layer, step, self.num_sms, fit=self.fits,
+                unsplit=gluon_regardless if free and self.gluon_problem is None else None,
+                **options,
+            )  # fmt: skip
         else:
             parts = self._graph_plan(plan_step, step, **options)
         splits = max(p.plan.num_splits for p in parts)
@@ -278,7 +298,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     part,
                     partials,
                     num_splits,
-                    None if tile is not None else self._gluon_part(common, step, part, whole),
+                    None
+                    if tile is not None
+                    else self._gluon_part(
+                        gluon_for(part.first, part.end, whole), step, part, whole
+                    ),
                     range_list=range_list,
                     by_request=one_block_per_request(planned, part.plan.block_q),
                 )
@@ -424,38 +448,51 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
         return num_splits
 
-    def _gluon_part(
-        self, common: CommonAttentionMetadata, step: StepShape, part: StepPart, whole: bool
+    def _gluon_candidate(
+        self, common: CommonAttentionMetadata, step: StepShape, first: int, end: int, whole: bool
     ) -> GluonPrefillStep | None:
-        """The Gluon launch of a part of prefills or chunked prefills (whole 128-row
-        tiles), or None: decodes keep the portable kernel, whose small tiles fit them (a
-        mixed step's chunks take Gluon, its decodes the portable kernel). The Gluon
-        kernel does not split; a part the portable rule splits takes it only if it is
-        not decode-like (speculative queries filling a tile at GQA 16 keep their splits)
-        and its programs (one per SM: it holds a whole SM) still cover every SM."""
+        """The Gluon launch of requests ``[first, end)`` if they may take it (prefills or
+        chunked prefills: whole 128-row tiles), or None: decodes keep the portable kernel,
+        whose small tiles fit them (a mixed step's chunks take Gluon, its decodes the
+        portable kernel). Whether they do take it depends on the portable plan's splits
+        (``_gluon_part``)."""
         if self.gluon_problem is not None:
             return None
         # a CUDA-graph plan (one part) decides from its bounds
-        longest = step.max_query_len if whole else step.part(part.first, part.end).max_query_len
+        longest = step.max_query_len if whole else step.part(first, end).max_query_len
         if gluon_step_problem(common, self.spec, 1, max_query_len=longest) is not None:
             return None
-        gluon = plan_gluon_prefill(
-            self.spec, common, requests=None if whole else (part.first, part.end)
-        )
-        if part.plan.split and (
-            longest <= SPLIT_POLICY.max_query_len  # decode-like: keep its splits
-            or (
-                gluon.grid[0] * gluon.grid[1] < self.num_sms
-                and (whole or not self._gluon_beside_decodes(step, part))
-            )
-        ):
+        return plan_gluon_prefill(self.spec, common, requests=None if whole else (first, end))
+
+    def _gluon_part(
+        self, gluon: GluonPrefillStep | None, step: StepShape, part: StepPart, whole: bool
+    ) -> GluonPrefillStep | None:
+        """The part's Gluon launch (its candidate, ``gluon``), or None. The Gluon kernel
+        does not split; a part the portable rule splits takes it only where
+        ``_gluon_unsplit`` holds: not decode-like (speculative queries filling a tile at
+        GQA 16 keep their splits), and its programs (one per SM: it holds a whole SM)
+        still cover every SM or run beside the step's decodes."""
+        if gluon is None:
+            return None
+        if part.plan.split and not self._gluon_unsplit(gluon, step, part.first, part.end, whole):
             return None
         return gluon
 
-    def _gluon_beside_decodes(self, step: StepShape, part: StepPart) -> bool:
-        """Whether a two-part step's longer requests take the Gluon kernel unsplit though
-        its programs leave SMs idle: the decodes' launch runs on those SMs meanwhile (the
-        impl overlaps the parts on two streams). Taken when one Gluon program (the
+    def _gluon_unsplit(
+        self, gluon: GluonPrefillStep, step: StepShape, first: int, end: int, whole: bool
+    ) -> bool:
+        """Whether requests ``[first, end)`` take their Gluon launch even where the
+        portable rule would split them (else only where it does not)."""
+        longest = step.max_query_len if whole else step.part(first, end).max_query_len
+        return longest > SPLIT_POLICY.max_query_len and (  # decode-like: keeps its splits
+            gluon.grid[0] * gluon.grid[1] >= self.num_sms
+            or (not whole and self._gluon_beside_decodes(step, first, end))
+        )
+
+    def _gluon_beside_decodes(self, step: StepShape, first: int, end: int) -> bool:
+        """Whether a two-part step's longer requests (``[first, end)``) take the Gluon
+        kernel unsplit though its programs leave SMs idle: the decodes' launch runs on
+        those SMs meanwhile (the impl overlaps the parts on two streams). Taken when one Gluon program (the
         longest request's last query block, on its SM) takes no longer than the portable
         kernel's model time for both parts, which would then share the whole GPU: on the
         H200 the mixed 16+1 step's eager plan (its chunk split in 3) took 153 us back to
@@ -463,12 +500,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         (docs/benchmarks.md, fourteenth session)."""
         if not self.overlap_parts:
             return False
-        longer = step.part(part.first, part.end)
-        decodes = (
-            step.part(0, part.first)
-            if part.first > 0
-            else step.part(part.end, len(step.query_lens))
-        )
+        longer = step.part(first, end)
+        decodes = step.part(0, first) if first > 0 else step.part(end, len(step.query_lens))
         # (the Gluon kernel takes no sliding window: its last block reads every key)
         alone = gluon_program_us(self.layer.head_size, longer.max_seq_len)
         return alone <= portable_us(self.layer, decodes) + portable_us(self.layer, longer)

@@ -658,6 +658,7 @@ def plan_step(
     bounded: bool = False,
     fit: FitSource | None = None,
     listing: bool = True,
+    unsplit: Callable[[int, int, bool], bool] | None = None,
 ) -> tuple[StepPart, ...]:
     """A step's launches: one per part, a part being a run of decode-like requests (at
     most ``SPLIT_POLICY.max_query_len`` queries) or of longer ones. A step made of one
@@ -667,7 +668,11 @@ def plan_step(
     every step within the bounds), a batch-invariant one or a forced tile gets one.
     ``fit``: the compiled kernels' registers (``FitSource``); ``listing``: fixed key
     ranges may be launched as a list of work items (``range_list_choice``). The parts
-    of a two-part step take key ranges of powers of two (``EAGER_RANGE_MULTIPLES``)."""
+    of a two-part step take key ranges of powers of two (``EAGER_RANGE_MULTIPLES``).
+    ``unsplit(first, end, whole)``: whether requests ``[first, end)`` (the whole step or
+    one of two parts) are planned unsplit, without the split rule: a part that another
+    kernel runs whatever the rule would split (the builder's Gluon prefill), whose plan
+    here is only its fallback."""
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits or forced_keys):
@@ -675,6 +680,7 @@ def plan_step(
         if all(end > first for first, end in runs):
             parts = sorted(runs)
     multiples = (1.0,) if len(parts) == 2 else EAGER_RANGE_MULTIPLES
+    whole = len(parts) == 1
     return tuple(
         StepPart(
             first,
@@ -683,7 +689,7 @@ def plan_step(
                 layer,
                 step.part(first, end) if (first, end) != (0, n) else step,
                 num_sms,
-                forced_splits=forced_splits,
+                forced_splits=1 if unsplit and unsplit(first, end, whole) else forced_splits,
                 forced_keys=forced_keys,
                 batch_invariant=batch_invariant,
                 tile=tile,
