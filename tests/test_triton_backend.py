@@ -1512,3 +1512,39 @@ def test_a_mixed_reservations_kept_parts_pad_as_new_ones_would():
             "the parts were staged anew"
         )
         parts = dict(kept._staged_parts)
+
+
+def test_a_gluon_part_runs_its_portable_plan_where_tma_cannot_read_the_cache():
+    """A part planned for the Gluon prefill keeps a portable plan (unsplit: the split
+    rule is not asked for it), which the forward runs where TMA cannot read the cache
+    (here its rows start 2 bytes past 16-byte alignment): the output is the torch
+    backend's."""
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=16
+    )
+    seq_lens = query_lens = [200, 100]  # prefills: no context to fill
+    blocks, first = [], 1
+    for n in seq_lens:
+        blocks.append(list(range(first, first + -(-n // 16))))
+        first += len(blocks[-1])
+    common = CommonAttentionMetadata.from_requests(seq_lens, query_lens, blocks, 16, DEVICE)
+    backend = pagedkv.get_backend("triton")
+    builder = backend.make_builder(spec, DEVICE)
+    builder.gluon_problem, builder.num_sms = None, 132  # as on an H200
+    md = builder.build(common)
+    (part,) = md.parts
+    assert part.gluon is not None and not part.plan.split
+    shape = backend.get_kv_cache_shape(first, spec.block_size, spec.num_kv_heads, spec.head_size)
+    flat = torch.zeros(int(np.prod(shape)) + 1, dtype=spec.dtype, device=DEVICE)
+    cache = flat[1:].view(shape)  # 2 bytes past the buffer's alignment
+    impl = backend.make_impl(spec)
+    assert impl._gluon_launch_args(cache) is None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(300, h, 64, generator=g).half().to(DEVICE) for h in (8, 2, 2))
+    out = impl.forward(q, k, v, cache, md)
+    torch_backend = pagedkv.get_backend("torch")
+    want = torch_backend.make_impl(spec).forward(
+        q, k, v, torch_backend.allocate_kv_cache(first, spec, DEVICE),
+        torch_backend.make_builder(spec, DEVICE).build(common),
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
