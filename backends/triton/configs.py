@@ -346,24 +346,37 @@ def mma_rate(layer: LayerShape, block_m: int) -> float:
 def step_cost(layer: LayerShape, step: StepShape, block_m: int) -> tuple[float, float]:
     """(compute, memory) of a step at ``block_m`` rows, in (row, key) products at the
     full tensor rate (per KV head; every KV head costs the same)."""
-    kept = step._costs.get((id(layer), block_m))
-    if kept is not None and kept[0] is layer:  # a step's plan asks for some costs again
-        return kept[1]
-    q, seq, seq_f64, context = step._live
-    block_q = block_m // layer.group
-    blocks = -(-q // block_q)
-    # causal: a query block sees its context and, on average, half its queries
-    keys = np.minimum(seq, context + (q + block_q) / 2) if layer.causal else seq_f64
-    distinct = seq_f64  # keys the request's blocks read between them
-    if layer.window is not None:
-        keys = np.minimum(keys, layer.window + block_q)
-        distinct = np.minimum(distinct, layer.window + q)
-    # np.add.reduce: ndarray.sum without its Python frame (the same pairwise sum)
-    compute = float(np.add.reduce(blocks * block_m * keys)) / mma_rate(layer, block_m)
-    memory = np.add.reduce(distinct + L2_REREAD_COST * (blocks - 1) * keys)
-    memory = float(memory) * rows_per_key(layer)
-    step._costs[(id(layer), block_m)] = (layer, (compute, memory))
-    return compute, memory
+    return step_costs(layer, step, (block_m,))[0]
+
+
+def step_costs(
+    layer: LayerShape, step: StepShape, block_ms: tuple[int, ...]
+) -> list[tuple[float, float]]:
+    """``step_cost`` at each of ``block_ms``, kept per step; those not yet kept computed
+    in one pass over the requests (one row per row count: the same values, element by
+    element and row by row, as one count at a time)."""
+    kept = step._costs
+    key = id(layer)
+    missing = [m for m in block_ms if (hit := kept.get((key, m))) is None or hit[0] is not layer]
+    if missing:
+        q, seq, seq_f64, context = step._live
+        rows = np.array(missing, dtype=np.int64)[:, None]  # [C, 1]
+        block_q = rows // layer.group
+        blocks = -(-q // block_q)  # [C, P]
+        # causal: a query block sees its context and, on average, half its queries
+        keys = np.minimum(seq, context + (q + block_q) / 2) if layer.causal else seq_f64
+        distinct = seq_f64  # keys the request's blocks read between them
+        if layer.window is not None:
+            keys = np.minimum(keys, layer.window + block_q)
+            distinct = np.minimum(distinct, layer.window + q)
+        # np.add.reduce: ndarray.sum without its Python frame (the same pairwise sum)
+        compute = np.add.reduce(blocks * rows * keys, axis=-1)
+        memory = np.add.reduce(distinct + L2_REREAD_COST * (blocks - 1) * keys, axis=-1)
+        per_key = rows_per_key(layer)
+        for i, m in enumerate(missing):
+            cost = (float(compute[i]) / mma_rate(layer, m), float(memory[i]) * per_key)
+            kept[(key, m)] = (layer, cost)
+    return [kept[(key, m)][1] for m in block_ms]
 
 
 def portable_us(layer: LayerShape, step: StepShape) -> float:
@@ -396,7 +409,7 @@ def choose_block_m(layer: LayerShape, step: StepShape) -> tuple[int, bool]:
         # every request fits one program of the fewest rows: more rows only add compute;
         # each program then computes `least` rows per key it reads
         return least, rows_per_key(layer) * mma_rate(layer, least) >= least
-    costs = {m: step_cost(layer, step, m) for m in candidates}
+    costs = dict(zip(candidates, step_costs(layer, step, candidates), strict=True))
     best = min(max(c) for c in costs.values())
     block_m = min(m for m, c in costs.items() if max(c) <= best * (1 + ROWS_TIE))
     compute, memory = costs[block_m]
