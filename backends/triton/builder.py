@@ -492,10 +492,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def _gluon_beside_decodes(self, step: StepShape, first: int, end: int) -> bool:
         """Whether a two-part step's longer requests (``[first, end)``) take the Gluon
         kernel unsplit though its programs leave SMs idle: the decodes' launch runs on
-        those SMs meanwhile (the impl overlaps the parts on two streams). Taken when one Gluon program (the
-        longest request's last query block, on its SM) takes no longer than the portable
-        kernel's model time for both parts, which would then share the whole GPU: on the
-        H200 the mixed 16+1 step's eager plan (its chunk split in 3) took 153 us back to
+        those SMs meanwhile (the impl overlaps the parts on two streams). Taken when one
+        Gluon program (the longest request's last query block, on its SM) takes no
+        longer than the portable kernel's model time for both parts, which would then
+        share the whole GPU: on the H200 the mixed 16+1 step's eager plan (its chunk
+        split in 3) took 153 us back to
         back where the graph plan (the chunk unsplit in Gluon) took 117
         (docs/benchmarks.md, fourteenth session)."""
         if not self.overlap_parts:
