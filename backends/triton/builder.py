@@ -496,9 +496,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         Gluon program (the longest request's last query block, on its SM) takes no
         longer than the portable kernel's model time for both parts, which would then
         share the whole GPU: on the H200 the mixed 16+1 step's eager plan (its chunk
-        split in 3) took 153 us back to
-        back where the graph plan (the chunk unsplit in Gluon) took 117
-        (docs/benchmarks.md, fourteenth session)."""
+        split in 3) took 153 us back to back where the graph plan (the chunk unsplit in
+        Gluon) took 117 (docs/benchmarks.md, fourteenth session)."""
         if not self.overlap_parts:
             return False
         longer = step.part(first, end)
