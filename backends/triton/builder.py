@@ -246,10 +246,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # a part the Gluon kernel takes whatever its splits is planned unsplit (its
             # portable plan only the fallback where TMA cannot read the cache): the split
             # rule took a seventh of a mixed step's build
-            free = not (forced or keys_per_split or self.batch_invariant or tile is not None)
+            by_rule = not (forced or keys_per_split or self.batch_invariant or tile is not None)
             parts = plan_step(
                 self.layer, step, self.num_sms, fit=self.fits,
-                unsplit=gluon_regardless if free and self.gluon_problem is None else None,
+                unsplit=gluon_regardless if by_rule and self.gluon_problem is None else None,
                 **options,
             )  # fmt: skip
         else:
