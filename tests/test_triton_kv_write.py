@@ -134,8 +134,11 @@ def test_argument_errors_name_the_field():
         )
     with pytest.raises(ValueError, match="slot_mapping: expected a 1-D int64 tensor"):
         write_kv_by_slot(key, key, cache[0], cache[1], slots.float(), use_triton=True)
-    with pytest.raises(ValueError, match="value and v_view must be given together"):
-        write_kv_by_slot(key, key, cache[0], None, slots, use_triton=True)
+    for use_triton in (True, False):  # the torch path as the kernel's
+        with pytest.raises(ValueError, match="value and v_view must be given together"):
+            write_kv_by_slot(key, key, cache[0], None, slots, use_triton=use_triton)
+        with pytest.raises(ValueError, match="value and v_view must be given together"):
+            write_kv_by_slot(key, None, cache[0], cache[1], slots, use_triton=use_triton)
     with pytest.raises(ValueError, match=r"v_view: expected blocks and heads \(3, 16, 2\)"):
         write_kv_by_slot(key, key[:, :1], cache[0], cache[1, :, :, :1], slots, use_triton=True)
 

@@ -137,8 +137,8 @@ def _write_rows_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """The torch path of ``write_kv_by_slot`` (the views first)."""
+    if (value is None) != (v_view is None):  # as the Triton writer: never K alone
+        raise ValueError("value and v_view must be given together (or both None)")
     write_rows_by_slot(key, k_view, slot_mapping, k_scale)
     if value is not None:
-        if v_view is None:
-            raise ValueError("value was given without v_view")
         write_rows_by_slot(value, v_view, slot_mapping, v_scale)
