@@ -19,7 +19,7 @@ on the spot (``StepPlan.fallback``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ from pagedkv.toolkit.triton_helpers import LOG2E
 
 # how the attention kernel reads the latent cache
 GLUON, TMA, POINTER = "gluon", "tma", "pointer"
+# a forward's output arguments, the attention's and the merge's alike
+OUTPUT = ("Out", "stride_o_t", "stride_o_h")
 _FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # TMA coordinates are 32-bit: the Gluon kernel's out-of-range row must stay below 2**31
 _MAX_TMA_ROWS = 2**31 - GLUON_BLOCK_N
@@ -175,19 +177,19 @@ class StepPlan:
             kwargs = dict(template.kwargs)
             for group in groups:
                 kwargs.update(group.values)
-            given = call.mapping if isinstance(call, CallArgs) else call
-            launches.append(KernelLaunch(template.kernel, template.grid, {**kwargs, **given}))
+            launches.append(
+                KernelLaunch(template.kernel, template.grid, {**kwargs, **call.mapping})
+            )
         return launches
 
     def _parts(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor, layer: LayerArgs
-    ) -> list[tuple[KernelLaunch, tuple[LaunchArgs, ...], Mapping[str, Any] | CallArgs]]:
+    ) -> list[tuple[KernelLaunch, tuple[LaunchArgs, ...], CallArgs]]:
         """Each launch: its step template, the layer's groups, the forward's arguments."""
         if self.attention.grid[0] == 0:
             return []
         o = out.stride()
-        output = dict(Out=out, stride_o_t=o[0], stride_o_h=o[1])
-        call = dict(output)
+        call: dict[str, Any] = dict(zip(OUTPUT, (out, o[0], o[1]), strict=True))
         if self.kind == GLUON:
             call.update(qn_desc=query_descriptor(q_nope), qp_desc=query_descriptor(q_pe))
         else:
@@ -200,9 +202,11 @@ class StepPlan:
         # one query token per request: its causal limit is the sequence's end
         causal = layer.causal and self.multi_token
         group, own = layer.attention_group(causal)
-        parts = [(self.attention, (group,), CallArgs(call).extended(own))]
+        attention_call = CallArgs(call)
+        parts = [(self.attention, (group,), attention_call.extended(own))]
         if self.reduce is not None:
-            parts.append((self.reduce, (layer.reduce_group(),), output))
+            # the merge's output arguments, found with the attention's
+            parts.append((self.reduce, (layer.reduce_group(),), attention_call.subset(OUTPUT)))
         return parts
 
 
