@@ -4,7 +4,8 @@ eager and under a CUDA-graph reservation that holds the step; with
 ``--forward``, the Python of one triton ``forward`` (checks, planning, the direct launch
 path of ``pagedkv.toolkit.dispatch``) with Triton's launcher stubbed, on a CPU: one
 layer's repeated, a step's first, and a step's through 16 layers (what an eager engine
-pays per layer), and the Triton KV write of the step's rows.
+pays per layer), the Triton KV write of the step's rows, and one layer's forward with
+that write (what an eager engine's mixed step runs).
 
     python benchmarks/build_overhead.py [--backends torch,triton] [--device cpu|cuda] [--sms N]
     TRITON_INTERPRET=1 python benchmarks/build_overhead.py --layer mla --backends mla [--sms N]
@@ -127,7 +128,8 @@ def forward_overhead() -> None:
 
     print(
         f"{'step':>14}  {'launches':>8}  {'forward us':>10}  {'first forward us':>16}  "
-        f"{f'a step of {LAYERS} layers, us per layer':>32}  {'KV write us':>11}"
+        f"{f'a step of {LAYERS} layers, us per layer':>32}  {'KV write us':>11}  "
+        f"{'forward with its write us':>25}"
     )
     for name, (seq_lens, query_lens) in steps.items():
         tables, first = [], 1
@@ -157,9 +159,14 @@ def forward_overhead() -> None:
         views = impl.cache_views(cache)
         writer = CacheWriter(views.k, views.v)
         write_us = median_us(functools.partial(writer, rows, rows, common.slot_mapping), 4000)
+        # an eager engine's forward (a mixed step's): the write, then the attention (the
+        # Triton writer made the cache's, as on a GPU; a CPU cache's is the torch path)
+        views.derived["writer"] = writer
+        write_forward = functools.partial(impl.forward, query, rows, rows, cache, metadata, out)
+        with_write_us = median_us(write_forward, 4000)
         print(
             f"{name:>14}  {launches:>8}  {us:>10.1f}  {first_us:>16.1f}  {layer_us:>32.1f}  "
-            f"{write_us:>11.1f}"
+            f"{write_us:>11.1f}  {with_write_us:>25.1f}"
         )
 
 
