@@ -1207,9 +1207,11 @@ def test_cache_views_follow_the_cache_and_do_not_keep_it_alive():
     assert torch.equal(impl.forward(q, None, None, cache, md), want)
     assert not torch.equal(first, want)
     ref = weakref.ref(cache)
+    # the launches' arguments over the cache (views of its storage) go with the views
+    launch_args = weakref.ref(impl.cache_views(cache).derived["triton launches"])
     del cache
     gc.collect()
-    assert ref() is None and impl._views is None and impl._kept_views is None
+    assert ref() is None and launch_args() is None and impl._kept_views is None
 
 
 # -- declared support ----------------------------------------------------------------------

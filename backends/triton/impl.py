@@ -55,7 +55,6 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
         self._reduce_args: dict[str, Any] = dict(USE_SINKS=sinks is not None)
         # per device: the layer's arguments with its sinks / ALiBi slopes there
         self._by_device: dict[torch.device, tuple[dict[str, Any], dict[str, Any]]] = {}
-        self._views: _CacheArgs | None = None
         self._gluon_layer_args = gluon_layer_args(spec)
         # a two-part step's parts run on two streams (``_attend_overlapped``)
         self.overlap_parts = options.get("overlap_parts", True) is not False
@@ -200,13 +199,11 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
     def _layer_launch_args(self, device: torch.device, kv_cache: torch.Tensor) -> _LayerArgs:
         """The layer's arguments of the attention and reduction launches over
         ``kv_cache`` (once per cache, with its views)."""
-        k_cache, v_cache, cache_strides = self._cache_views(kv_cache)
-        memo = self._views
-        assert memo is not None
+        views, memo = self._cache_args(kv_cache)
         if memo.launch_args is None or memo.launch_args[0] != device:
             attention_args, reduce_args = self._layer_args(device)
             attention, tensors = layer_groups(
-                {**attention_args, **cache_strides, "KCache": k_cache, "VCache": v_cache},
+                {**attention_args, **memo.strides, "KCache": views.k, "VCache": views.v},
                 own=_LAYER_TENSORS,
             )
             # the merge's own tensors (sinks) are a subset of the attention's, passed
@@ -221,44 +218,35 @@ class TritonAttentionImpl(AttentionImpl[TritonMetadata]):
             )
         return memo.launch_args[1]
 
-    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """K and V views of ``kv_cache`` (the contract's ``cache_views``, kept per cache)
-        and their strides, as launch arguments."""
+    def _cache_args(self, kv_cache: torch.Tensor) -> tuple[CacheViews, _CacheArgs]:
+        """The contract's views of ``kv_cache`` and what the launches take of them, kept
+        with the views (``CacheViews.derived``: dropped with them)."""
         views = self.cache_views(kv_cache)
-        memo = self._views
-        if memo is not None and memo.views is views:
-            return views.k, views.v, memo.strides
-        k, v = views.k, views.v
-        ks, vs = k.stride(), v.stride()
-        if ks[3] != 1 or vs[3] != 1:
-            raise UnsupportedError(
-                f"kv_cache: the {self.layout().name} layout's head dimension is strided"
-            )
-        strides = dict(
-            stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
-            stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
-        )  # fmt: skip
-        self._views = _CacheArgs(views, strides)
-        return k, v, strides
+        memo = views.derived.get("triton launches")
+        if memo is None:
+            ks, vs = views.k.stride(), views.v.stride()
+            if ks[3] != 1 or vs[3] != 1:
+                raise UnsupportedError(
+                    f"kv_cache: the {self.layout().name} layout's head dimension is strided"
+                )
+            strides = dict(
+                stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
+                stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
+            )  # fmt: skip
+            memo = views.derived["triton launches"] = _CacheArgs(strides)
+        return views, memo
 
     def _gluon_launch_args(self, kv_cache: torch.Tensor) -> LaunchArgs | None:
         """The Gluon kernel's layer arguments over ``kv_cache``, its TMA descriptors among
         them (once per cache, with its views), or None when TMA cannot read this cache
         (the portable kernel runs)."""
-        k, v, _ = self._cache_views(kv_cache)
-        memo = self._views
-        assert memo is not None
+        views, memo = self._cache_args(kv_cache)
         if memo.gluon is _UNSET:  # the memo's K/V views: the cache's bytes, its strides
             memo.gluon = None
-            if gluon_cache_problem(k, v) is None:
-                descriptors = gluon_cache_args(self.spec, k, v)
+            if gluon_cache_problem(views.k, views.v) is None:
+                descriptors = gluon_cache_args(self.spec, views.k, views.v)
                 memo.gluon = LaunchArgs({**descriptors, **self._gluon_layer_args})
         return memo.gluon  # type: ignore[return-value]
-
-    def _forget_cache_views(self, ref: object) -> None:
-        # the launch arguments hold views of the dead cache's storage too
-        super()._forget_cache_views(ref)
-        self._views = None
 
 
 _UNSET = object()
@@ -294,10 +282,9 @@ _SIDE_STREAMS: dict[torch.device, _SideStream] = {}
 
 @dataclass
 class _CacheArgs:
-    """What the launches take of the last cache an impl attended over: its views'
+    """What the launches take of a cache's views (kept in ``CacheViews.derived``): their
     strides, the Gluon kernel's descriptors, the layer's launch arguments."""
 
-    views: CacheViews  # the contract's views of the cache (``cache_views``)
     strides: dict[str, int]
     # the Gluon kernel's layer arguments with its descriptors over this cache (None:
     # TMA cannot read it), made on its first Gluon step

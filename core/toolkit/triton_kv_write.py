@@ -148,7 +148,7 @@ class CacheWriter:
     (``AttentionImpl.cache_writer``): every layer of an eager step writes, and finding
     those again took a third of the write's host time."""
 
-    __slots__ = ("_groups", "_row_dims", "_shapes", "_views", "block_rows", "device", "has_value")
+    __slots__ = ("_groups", "_row_dims", "_shapes", "_views", "block_rows", "device")
 
     def __init__(
         self,
@@ -179,14 +179,13 @@ class CacheWriter:
         k_store = k_view.view(torch.uint8) if fp8 else k_view
         v_store = k_store if v_view is None else (v_view.view(torch.uint8) if fp8 else v_view)
         num_heads, head_size = k_view.shape[2], k_view.shape[3]
-        self.has_value = v_view is not None
         head_size_v = v_view.shape[3] if v_view is not None else head_size
         # the rows' [H, D] (and [H, Dv]) each write must have, and the views' shapes
         self._row_dims = (k_view.shape[2:], None if v_view is None else v_view.shape[2:])
         self._shapes = (k_view.shape, None if v_view is None else v_view.shape)
         self.device = k_view.device
         constants = _constants(
-            k_view.dtype, num_heads, head_size, head_size_v, k_view.shape[1], self.has_value
+            k_view.dtype, num_heads, head_size, head_size_v, k_view.shape[1], v_view is not None
         )
         self.block_rows: int = constants.values["BLOCK_R"]
         num_slots = k_view.shape[0] * k_view.shape[1]
