@@ -253,7 +253,9 @@ for section in "$@"; do
     ab)  # the tree before a change against this one, in the same call: AB_OLD, a copy of
       # the old tree (`git archive REV | tar -x -C build/oldtree`, carried), installed apart
       # (/tmp/oldsite, first on PYTHONPATH for its runs); `pagedkv bench $AB_ARGS` for each,
-      # alternating AB_RUNS times (default 2), one JSON each ($OUT/ab-{old,new}-N.json)
+      # alternating AB_RUNS times (default 2), one JSON each ($OUT/ab-{old,new}-N.json);
+      # then `pagedkv bench --before ... --after ...` ($OUT/ab.md): each time's change,
+      # judged against the runs' own spread
       $PY -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/oldsite \
         "${AB_OLD:-build/oldtree}" 2>&1 | grep -v -i warning
       log "old tree: $(cd /tmp && PYTHONPATH=/tmp/oldsite${PYTHONPATH:+:$PYTHONPATH} $PY -c \
@@ -265,6 +267,8 @@ for section in "$@"; do
         run "ab-new-$i" $PY -m pagedkv.cli bench ${AB_ARGS:-} --json "$OUT/ab-new-$i.json"
       done
       tail -n 30 "$OUT"/ab-*.log
+      $PY -m pagedkv.cli bench --before "$OUT"/ab-old-*.json --after "$OUT"/ab-new-*.json \
+        --markdown "$OUT/ab.md"
       ;;
     bench)  # BENCH_BACKENDS, BENCH_MATRIX, BENCH_WORKLOADS select; BENCH_ARGS: more options
       run bench $PY -m pagedkv.cli bench --backends "${BENCH_BACKENDS:-triton,flashinfer}" \

@@ -16,6 +16,7 @@ from pagedkv.capabilities import dtype_name
 from pagedkv.conformance.check import TOLERANCES, ScenarioResult
 from pagedkv.conformance.run import ConformanceRun, Target
 from pagedkv.conformance.scenario import Scenario
+from pagedkv.textutil import markdown_table
 
 # 2: failures are objects (check, message and the fields they name), cells carry
 # hints, scenarios their layer, backends "broken"/"fails_run" and deselected counts
@@ -344,7 +345,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "## Matrix",
         "",
-        _md_table(*matrix_rows(data)),
+        markdown_table(*matrix_rows(data)),
         "",
     ]
     failures = [c for c in data["results"] if c["status"] == "fail"]
@@ -358,28 +359,20 @@ def markdown(data: dict[str, Any]) -> str:
             out += ["", "```", cell["reproduce"], "```", ""]
     checks = [c for c in data["checks"] if c["check"] != "cross-backend"]
     if checks:
-        out += ["## Checks", "", "| check | backend | result |", "|---|---|---|"]
-        for c in checks:
-            result = "pass" if c["status"] == "pass" else "FAIL: " + "; ".join(c["problems"])
-            out.append(f"| {c['check']} | {c['subject']} | {_md_escape(result)} |")
-        out.append("")
+        rows = [[c["check"], c["subject"], _check_result(c)] for c in checks]
+        out += ["## Checks", "", markdown_table(["check", "backend", "result"], rows), ""]
     cross = [c for c in data["checks"] if c["check"] == "cross-backend"]
     if cross:
-        out += [
-            "## Cross-backend",
-            "",
-            "| scenario | baseline | compared | max abs diff | result |",
-            "|---|---|---|---|---|",
-        ]
+        rows = []
         for c in cross:
             diff = c.get("max_abs_diff")
             diff_text = "-" if diff is None or not math.isfinite(diff) else f"{diff:.1e}"
-            result = c["status"] if c["status"] != "fail" else "FAIL: " + "; ".join(c["problems"])
-            out.append(
-                f"| {c['subject']} | {c.get('baseline', '-')} | {', '.join(c['compared'])} | "
-                f"{diff_text} | {_md_escape(result)} |"
-            )
-        out.append("")
+            rows.append([
+                c["subject"], c.get("baseline", "-"), ", ".join(c["compared"]), diff_text,
+                _check_result(c),
+            ])  # fmt: skip
+        headers = ["scenario", "baseline", "compared", "max abs diff", "result"]
+        out += ["## Cross-backend", "", markdown_table(headers, rows), ""]
     na = [c for c in data["results"] if c["status"] == "n/a"]
     if na:
         out += ["## Not applicable", ""]
@@ -388,11 +381,8 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _check_result(check: dict[str, Any]) -> str:
+    """A check's result cell: its status (pass, skipped), or FAIL and its problems."""
+    if check["status"] != "fail":
+        return check["status"]
+    return "FAIL: " + "; ".join(check["problems"])

@@ -4,6 +4,7 @@ the contract, checked and reported."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -265,3 +266,68 @@ def test_layer_time_runs_every_layer_over_each_steps_own_build():
         got = timed[3 * step : 3 * step + 3]
         assert [i for i, _ in got] == [0, 1, 2]
         assert all(md is builds[3 + step] for _, md in got)
+
+
+def test_before_and_after_runs_are_compared_against_their_own_spread(tmp_path, capsys):
+    """--before/--after: each time of each (workload, config) both sides measured, its
+    median change, and a verdict only where every run of one side beat every run of the
+    other (two or more runs a side)."""
+
+    def row(workload, impl, eager, graph=None, **more):
+        return {"workload": workload, "impl": impl, "eager_us": eager, "graph_us": graph, **more}
+
+    before = [
+        _run([row("w1", "triton", 100.0, 90.0, write_us=5.0), row("w2", "triton", 50.0),
+              row("w1", "flashinfer", 99.0)]),
+        _run([row("w1", "triton", 102.0, 91.0, write_us=5.2)]),
+    ]  # fmt: skip
+    after = [
+        _run([row("w1", "triton", 95.0, 92.0, write_us=6.0), row("w2", "triton", 52.0),
+              row("w3", "triton", 10.0)], device="gpu-b"),
+        _run([row("w1", "triton", 96.0, 90.5, write_us=6.1), row("w2", "triton", 53.0)],
+             device="gpu-b"),
+    ]  # fmt: skip
+    paths = {}
+    for side, runs in (("before", before), ("after", after)):
+        paths[side] = []
+        for i, run in enumerate(runs):
+            paths[side].append(str(tmp_path / f"{side}{i}.json"))
+            (tmp_path / f"{side}{i}.json").write_text(json.dumps(run))
+    md = tmp_path / "ab.md"
+    argv = ["bench", "--before", *paths["before"], "--after", *paths["after"]]
+    assert main([*argv, "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
+    cells = {
+        tuple(c[:3]): c[3:]
+        for c in (re.split(r"\s{2,}", line) for line in out.splitlines() if re.match(r"w\d", line))
+    }
+    # every after run faster than every before run
+    assert cells[("w1", "triton", "eager")] == [
+        "101.0 (100.0-102.0)", "95.5 (95.0-96.0)", "-5.5 us (-5.4%)", "faster"
+    ]  # fmt: skip
+    # the graph runs overlap: no verdict beyond the spread
+    assert cells[("w1", "triton", "graph")][-1] == "within spread"
+    assert cells[("w1", "triton", "write")][-1] == "slower"
+    # eager - graph, per run: before 10, 11; after 3, 5.5
+    assert cells[("w1", "triton", "host")][:2] == ["10.5 (10.0-11.0)", "4.2 (3.0-5.5)"]
+    # w2 has one run before: its change without a verdict
+    assert cells[("w2", "triton", "eager")] == ["50.0", "52.5 (52.0-53.0)", "+2.5 us (+5.0%)", "-"]
+    assert "eager: 1 faster, 1 with one run on a side (no verdict)" in out
+    assert "write: 1 slower" in out
+    assert "only after: w3, triton" in out and "only before: w1, flashinfer" in out
+    assert "before: " in out and "after: " in out and "gpu-b" in out
+    text = md.read_text()
+    assert "| w1 | triton | eager | 101.0 (100.0-102.0) | 95.5 (95.0-96.0) |" in text
+    # only the times asked for
+    assert main([*argv, "--times", "graph"]) == 0
+    assert {line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"w\d", line)} == {"graph"}  # fmt: skip
+    # misuse: named errors
+    assert main(["bench", "--before", *paths["before"]]) != 0
+    assert "expected both" in capsys.readouterr().err
+    assert main([*argv, "--times", "eager,speed"]) != 0
+    assert "--times speed: expected some of eager, graph, host" in capsys.readouterr().err
+    lone = tmp_path / "lone.json"
+    lone.write_text(json.dumps(_run([row("w9", "triton", 1.0)])))
+    assert main(["bench", "--before", str(lone), "--after", *paths["after"]]) != 0
+    assert "no (workload, config) with a time on both sides" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedkv.bench.profile import describe_kernels
 from pagedkv.bench.runners import STEP_LAYERS, Row
-from pagedkv.textutil import format_table
+from pagedkv.textutil import format_table, markdown_table
 
 HEADERS = [
     "workload", "impl", "eager us", "steady us", "graph us", "flushed us", "host us", "launch us", "layer us", "write us", "build us", "GB/s", "%copy",
@@ -56,6 +56,17 @@ def host_floor(env: dict[str, Any]) -> str:
     return f"{floor:.1f} us to enqueue a one-element torch op"
 
 
+def run_source(name: str, run: dict[str, Any]) -> str:
+    """One line on where a ``--json`` run came from: its device, versions, host speed and
+    command."""
+    env = run.get("environment", {})
+    return (
+        f"{name}: {env.get('gpu') or env.get('device')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; host: "
+        f"{host_floor(env)}; `{env.get('command')}`"
+    )
+
+
 def text_table(rows: list[Row], floor_us: float | None = None) -> str:
     return format_table(HEADERS, [row_cells(r, floor_us) for r in rows])
 
@@ -73,14 +84,7 @@ def markdown(rows: list[Row], env: dict[str, Any], workloads: dict[str, str]) ->
         "|---|---|---|",
         *(f"| {name} | {text} |" for name, text in workloads.items()),
         "",
-        "| " + " | ".join(HEADERS) + " |",
-        "|" + "---|" * len(HEADERS),
-        *(
-            "| "
-            + " | ".join(c.replace("|", "/") for c in row_cells(r, env.get("host_floor_us")))
-            + " |"
-            for r in rows
-        ),
+        markdown_table(HEADERS, [row_cells(r, env.get("host_floor_us")) for r in rows]),
         "",
         "Times are medians (`eager`: triton.testing.do_bench with L2 flushed; `steady`: eager "
         "calls back to back, no flush or sync (the longer of host and GPU work); `graph`: the same "
@@ -122,12 +126,7 @@ def merged_matrix(
     row_fields = [f.name for f in fields(Row)]
     sources = []
     for index, (name, run) in enumerate(runs):
-        env = run.get("environment", {})
-        sources.append(
-            f"{name}: {env.get('gpu') or env.get('device')}, torch {env.get('torch')}, "
-            f"triton {env.get('triton')}, flashinfer {env.get('flashinfer')}; host: "
-            f"{host_floor(env)}; `{env.get('command')}`"
-        )
+        sources.append(run_source(name, run))
         for saved in run.get("rows", []):
             row = Row(**{k: saved[k] for k in row_fields if k in saved})
             if not row.error:
@@ -173,9 +172,7 @@ def merged_matrix(
 def merged_markdown(runs: list[tuple[str, dict[str, Any]]], reference: str = "flashinfer") -> str:
     headers, table, sources = merged_matrix(runs, reference)
     return "\n".join([
-        "| " + " | ".join(headers) + " |",
-        "|" + "---|" * len(headers),
-        *("| " + " | ".join(c.replace("|", "/") for c in line) + " |" for line in table),
+        markdown_table(headers, table),
         "",
         f"`vs {reference}`: its best time (eager or graph) / the row's (> 1: faster), from the "
         "same run; `*`: from another run. Runs:",

@@ -86,23 +86,47 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--reference", default="flashinfer", help="The config --merge compares with."
     )
+    parser.add_argument(
+        "--before",
+        nargs="+",
+        metavar="JSON",
+        help="Time nothing: compare these --json runs (the tree before a change) with "
+        "--after's, row by row and time by time; a change is 'faster' or 'slower' when "
+        "every run of one side beat every run of the other (two or more runs a side).",
+    )
+    parser.add_argument(
+        "--after", nargs="+", metavar="JSON", help="The runs --before is compared with."
+    )
+    parser.add_argument(
+        "--times",
+        default="",
+        help="With --before/--after, only these times (comma-separated): "
+        "eager, graph, host, launch, layer, write, build (default: every one measured).",
+    )
     return parser
 
 
-def merge(args: argparse.Namespace) -> int:
+def load_runs(paths: list[str], option: str) -> list[tuple[str, dict[str, Any]]]:
+    """Earlier ``--json`` runs, by path; ``option`` names the flag in errors."""
     import json
 
-    from pagedkv.bench.report import merged_markdown, merged_matrix
     from pagedkv.errors import ConfigError
-    from pagedkv.textutil import format_table
 
     runs = []
-    for path in args.merge:
+    for path in paths:
         try:
             with open(path) as f:
                 runs.append((path, json.load(f)))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--merge {path}: not a pagedkv bench --json file ({exc})") from exc
+            raise ConfigError(f"{option} {path}: not a pagedkv bench --json file ({exc})") from exc
+    return runs
+
+
+def merge(args: argparse.Namespace) -> int:
+    from pagedkv.bench.report import merged_markdown, merged_matrix
+    from pagedkv.textutil import format_table
+
+    runs = load_runs(args.merge, "--merge")
     headers, table, sources = merged_matrix(runs, args.reference)
     print(format_table(headers, table))
     print("\n".join(sources))
@@ -112,9 +136,50 @@ def merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare(args: argparse.Namespace) -> int:
+    from pagedkv.bench.compare import HEADERS, TIMES, compare_runs, summary
+    from pagedkv.bench.report import run_source
+    from pagedkv.errors import ConfigError
+    from pagedkv.textutil import format_table, markdown_table
+
+    if not (args.before and args.after):
+        raise ConfigError("--before and --after: expected both, each with --json runs")
+    times = tuple(t.strip() for t in args.times.split(",") if t.strip())
+    unknown = [t for t in times if t not in TIMES]
+    if unknown:
+        raise ConfigError(f"--times {','.join(unknown)}: expected some of {', '.join(TIMES)}")
+    before, after = load_runs(args.before, "--before"), load_runs(args.after, "--after")
+    changes, unmatched = compare_runs([r for _, r in before], [r for _, r in after], times)
+    if not changes:
+        raise ConfigError("--before/--after: no (workload, config) with a time on both sides")
+    table = [c.cells() for c in changes]
+    print(format_table(HEADERS, table))
+    print("\n".join(["", summary(changes), *unmatched]))
+    sources = [f"before: {run_source(*r)}" for r in before]
+    sources += [f"after: {run_source(*r)}" for r in after]
+    print("\n".join(sources))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(
+                "\n".join([
+                    markdown_table(HEADERS, table),
+                    "",
+                    *(f"- {line}" for line in summary(changes).splitlines()),
+                    *(f"- {line}" for line in unmatched),
+                    "",
+                    "Runs:",
+                    "",
+                    *(f"- {s}" for s in sources),
+                ]) + "\n"
+            )  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return merge(args)
+    if args.before or args.after:
+        return compare(args)
     import torch
     from pagedkv.bench import run_bench, select_workloads
     from pagedkv.bench.report import host_floor, markdown, plot, text_table, write_json

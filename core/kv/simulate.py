@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from pagedkv import textutil
 from pagedkv.errors import KVCacheUsageError
 from pagedkv.intmath import cdiv
 from pagedkv.kv.manager import KVCacheManager
@@ -425,6 +426,4 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> Pat
 
 
 def markdown_table(results: Sequence[SimResult]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    return "\n".join(lines) + "\n"
+    return textutil.markdown_table(TABLE_HEADERS, table_rows(results)) + "\n"
