@@ -121,3 +121,20 @@ def test_reproduce_returns_the_problem_for_a_debugger(capsys):
     torch.testing.assert_close(
         debug.output[:8].double(), debug.reference, atol=tol.atol, rtol=tol.rtol
     )
+
+
+def test_the_markdown_checks_say_skipped_pass_or_fail_with_the_problems():
+    """Each check's result cell: its status, or FAIL with its problems (a ``|`` in one
+    escaped, so the row stays one row)."""
+    from pagedkv.conformance.run import CheckResult
+
+    run = ConformanceRun(["torch"], device_option="cpu")
+    run.checks += [
+        CheckResult("copy_blocks", "torch"),
+        CheckResult("plan", "torch", skipped=True),
+        CheckResult("capabilities", "torch", problems=["head size 80 | 96 refused"]),
+    ]
+    text = markdown(report_data(run))
+    assert "| copy_blocks | torch | pass |" in text
+    assert "| plan | torch | skipped |" in text
+    assert "| capabilities | torch | FAIL: head size 80 \\| 96 refused |" in text
