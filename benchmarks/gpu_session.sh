@@ -253,14 +253,14 @@ for section in "$@"; do
     ab)  # the tree before a change against this one, in the same call: AB_OLD, a copy of
       # the old tree (`git archive REV | tar -x -C build/oldtree`, carried), installed apart
       # (/tmp/oldsite, first on PYTHONPATH for its runs); `pagedkv bench $AB_ARGS` for each,
-      # alternating AB_RUNS times (default 2), one JSON each ($OUT/ab-{old,new}-N.json);
-      # then `pagedkv bench --before ... --after ...` ($OUT/ab.md): each time's change,
-      # judged against the runs' own spread
+      # alternating AB_RUNS times (default 3: the fewest a side that can pass the
+      # comparison's rank test), one JSON each ($OUT/ab-{old,new}-N.json); then `pagedkv
+      # bench --before ... --after ...` ($OUT/ab.md): each time's change and its verdict
       $PY -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/oldsite \
         "${AB_OLD:-build/oldtree}" 2>&1 | grep -v -i warning
       log "old tree: $(cd /tmp && PYTHONPATH=/tmp/oldsite${PYTHONPATH:+:$PYTHONPATH} $PY -c \
         'import pagedkv.backends.triton as t; print(t.__file__)')"
-      for ((i = 1; i <= ${AB_RUNS:-2}; i++)); do
+      for ((i = 1; i <= ${AB_RUNS:-3}; i++)); do
         # (from /tmp: the repository root would put this tree's sources first)
         (cd /tmp && PYTHONPATH=/tmp/oldsite${PYTHONPATH:+:$PYTHONPATH} \
           run "ab-old-$i" $PY -m pagedkv.cli bench ${AB_ARGS:-} --json "$OUT/ab-old-$i.json")

@@ -268,24 +268,27 @@ def test_layer_time_runs_every_layer_over_each_steps_own_build():
         assert all(md is builds[3 + step] for _, md in got)
 
 
-def test_before_and_after_runs_are_compared_against_their_own_spread(tmp_path, capsys):
+def test_before_and_after_runs_are_compared_against_their_own_noise(tmp_path, capsys):
     """--before/--after: each time of each (workload, config) both sides measured, its
-    median change, and a verdict only where every run of one side beat every run of the
-    other (two or more runs a side)."""
+    median change, and a verdict only where the runs' ranks pass the rank test (three
+    runs a side at least) and the change is at least MIN_CHANGE."""
 
     def row(workload, impl, eager, graph=None, **more):
         return {"workload": workload, "impl": impl, "eager_us": eager, "graph_us": graph, **more}
 
     before = [
-        _run([row("w1", "triton", 100.0, 90.0, write_us=5.0), row("w2", "triton", 50.0),
-              row("w1", "flashinfer", 99.0)]),
-        _run([row("w1", "triton", 102.0, 91.0, write_us=5.2)]),
+        _run([row("w1", "triton", 100.0, 90.0, write_us=5.0, build_us=100.0),
+              row("w2", "triton", 50.0), row("w1", "flashinfer", 99.0)]),
+        _run([row("w1", "triton", 102.0, 91.0, write_us=5.2, build_us=100.2),
+              row("w2", "triton", 51.0)]),
+        _run([row("w1", "triton", 101.0, 90.2, write_us=5.1, build_us=100.1)]),
     ]  # fmt: skip
     after = [
-        _run([row("w1", "triton", 95.0, 92.0, write_us=6.0), row("w2", "triton", 52.0),
-              row("w3", "triton", 10.0)], device="gpu-b"),
-        _run([row("w1", "triton", 96.0, 90.5, write_us=6.1), row("w2", "triton", 53.0)],
-             device="gpu-b"),
+        _run([row("w1", "triton", 95.0, 92.0, write_us=6.0, build_us=100.3),
+              row("w2", "triton", 52.0), row("w3", "triton", 10.0)], device="gpu-b"),
+        _run([row("w1", "triton", 96.0, 90.5, write_us=6.1, build_us=100.4),
+              row("w2", "triton", 53.0)], device="gpu-b"),
+        _run([row("w1", "triton", 94.0, 90.1, write_us=6.2, build_us=100.5)], device="gpu-b"),
     ]  # fmt: skip
     paths = {}
     for side, runs in (("before", before), ("after", after)):
@@ -301,23 +304,27 @@ def test_before_and_after_runs_are_compared_against_their_own_spread(tmp_path, c
         tuple(c[:3]): c[3:]
         for c in (re.split(r"\s{2,}", line) for line in out.splitlines() if re.match(r"w\d", line))
     }
-    # every after run faster than every before run
+    # every after run faster than every before run: p = 2 / C(6, 3)
     assert cells[("w1", "triton", "eager")] == [
-        "101.0 (100.0-102.0)", "95.5 (95.0-96.0)", "-5.5 us (-5.4%)", "faster"
+        "101.0 (100.0-102.0)", "95.0 (94.0-96.0)", "-6.0 us (-5.9%)", "0.100", "faster"
     ]  # fmt: skip
-    # the graph runs overlap: no verdict beyond the spread
-    assert cells[("w1", "triton", "graph")][-1] == "within spread"
+    # the graph runs interleave: no change beyond their noise
+    assert cells[("w1", "triton", "graph")][-1] == "no change"
     assert cells[("w1", "triton", "write")][-1] == "slower"
-    # eager - graph, per run: before 10, 11; after 3, 5.5
-    assert cells[("w1", "triton", "host")][:2] == ["10.5 (10.0-11.0)", "4.2 (3.0-5.5)"]
-    # w2 has one run before: its change without a verdict
-    assert cells[("w2", "triton", "eager")] == ["50.0", "52.5 (52.0-53.0)", "+2.5 us (+5.0%)", "-"]
-    assert "eager: 1 faster, 1 with one run on a side (no verdict)" in out
-    assert "write: 1 slower" in out
+    # separated, but by less than MIN_CHANGE of the before median
+    assert cells[("w1", "triton", "build")][-2:] == ["0.100", "no change"]
+    # eager - graph, per run: before 10, 11, 10.8; after 3, 5.5, 3.9
+    assert cells[("w1", "triton", "host")][:2] == ["10.8 (10.0-11.0)", "3.9 (3.0-5.5)"]
+    # w2 has two runs a side: no outcome of them could pass the test
+    assert cells[("w2", "triton", "eager")] == [
+        "50.5 (50.0-51.0)", "52.5 (52.0-53.0)", "+2.0 us (+4.0%)", "0.333", "too few runs"
+    ]  # fmt: skip
+    assert "eager: 1 faster, 1 with too few runs for a verdict" in out
+    assert "write: 1 slower" in out and "graph: 1 no change beyond the runs' noise" in out
     assert "only after: w3, triton" in out and "only before: w1, flashinfer" in out
     assert "before: " in out and "after: " in out and "gpu-b" in out
     text = md.read_text()
-    assert "| w1 | triton | eager | 101.0 (100.0-102.0) | 95.5 (95.0-96.0) |" in text
+    assert "| w1 | triton | eager | 101.0 (100.0-102.0) | 95.0 (94.0-96.0) |" in text
     # only the times asked for
     assert main([*argv, "--times", "graph"]) == 0
     assert {line.split()[2] for line in capsys.readouterr().out.splitlines()
@@ -331,3 +338,25 @@ def test_before_and_after_runs_are_compared_against_their_own_spread(tmp_path, c
     lone.write_text(json.dumps(_run([row("w9", "triton", 1.0)])))
     assert main(["bench", "--before", str(lone), "--after", *paths["after"]]) != 0
     assert "no (workload, config) with a time on both sides" in capsys.readouterr().err
+
+
+def test_the_rank_test_is_exact_for_few_runs_and_normal_for_many(monkeypatch):
+    """Mann-Whitney's two-sided p: complete separation of 3 against 3 runs is 2 of the 20
+    splits; one swap 4 of 20 either way; ties count half; many runs take the normal
+    approximation (as scipy's, which agree with both here)."""
+    from pagedkv.bench import compare
+    from pagedkv.bench.compare import least_p_value, rank_p_value
+
+    assert rank_p_value((3.0, 4.0, 5.0), (0.0, 1.0, 2.0)) == pytest.approx(0.1)
+    assert rank_p_value((0.0, 1.0, 2.0), (3.0, 4.0, 5.0)) == pytest.approx(0.1)
+    assert rank_p_value((2.0, 4.0, 5.0), (0.0, 1.0, 3.0)) == pytest.approx(0.2)
+    assert rank_p_value((1.0, 1.0), (1.0, 1.0)) == 1.0
+    assert least_p_value(2, 2) == pytest.approx(1 / 3) and least_p_value(4, 4) == 2 / 70
+    # 8 against 8 runs, no ties: C(16, 8) splits, exact; scipy 1.17.1's
+    # mannwhitneyu(after, before) gives 0.160528 (method="exact") and 0.156254
+    # ("asymptotic", with its continuity correction), as the normal approximation here
+    before = (5.0, 7.0, 9.0, 11.0, 12.0, 14.0, 15.0, 17.0)
+    after = (1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 13.0, 16.0)
+    assert rank_p_value(before, after) == pytest.approx(0.160528, abs=1e-6)
+    monkeypatch.setattr(compare, "_EXACT_SPLITS", 0)
+    assert rank_p_value(before, after) == pytest.approx(0.156254, abs=1e-6)

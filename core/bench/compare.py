@@ -4,14 +4,20 @@ of the runs themselves.
 
 A backend author's question after a change is "did any row get slower?", and on a GPU
 the answer hides in the noise between two runs of the same tree (a row's eager time
-moved 1-3% between calls of one session on the H200). So each side may be several
-runs (best alternated, old / new / old / new, so that a drift of the machine falls on
-both), and a change counts only when every run of one side is faster than every run of
-the other: with two runs a side, that is a change larger than either side's spread.
+moved 1-3% between calls of one session on the H200). So each side is several runs
+(best alternated, old / new / old / new, so that a drift of the machine falls on both),
+and a change gets a verdict only where the runs' ranks make it unlikely to be that
+noise: the exact two-sided Mann-Whitney test at ``ALPHA``, as ``asv compare`` judges
+benchmark changes, and a change of at least ``MIN_CHANGE`` of the before median. With
+two runs a side no split of the runs is rare enough (complete separation happens one
+time in three by chance); with three, complete separation is the one that counts (one
+time in ten by chance); with four, one time in 35.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,7 +35,15 @@ TIMES: dict[str, str] = {
     "write": "write_us",
     "build": "build_us",
 }
-HEADERS = ["workload", "config", "time", "before us", "after us", "change", "verdict"]
+HEADERS = ["workload", "config", "time", "before us", "after us", "change", "p", "verdict"]
+# a verdict's largest p-value (two-sided): three runs a side reach it by complete
+# separation alone
+ALPHA = 0.1
+# ... and its least change, a share of the before median: below it a change is none,
+# however consistent (a time moved by a shared cause, a clock, not by the change)
+MIN_CHANGE = 0.01
+# more splits of the runs than this: the test's normal approximation
+_EXACT_SPLITS = 20_000
 
 
 @dataclass(frozen=True)
@@ -47,17 +61,22 @@ class Change:
         return statistics.median(self.after) - statistics.median(self.before)
 
     @property
+    def p_value(self) -> float:
+        return rank_p_value(self.before, self.after)
+
+    @property
     def verdict(self) -> str:
-        """``faster`` / ``slower`` when every run of one side beat every run of the
-        other, ``within spread`` when they overlap, ``-`` with one run on a side (no
-        spread to judge by)."""
-        if len(self.before) < 2 or len(self.after) < 2:
-            return "-"
-        if max(self.after) < min(self.before):
-            return "faster"
-        if min(self.after) > max(self.before):
-            return "slower"
-        return "within spread"
+        """``faster`` / ``slower`` where the change passes the rank test at ``ALPHA`` and
+        is at least ``MIN_CHANGE``; ``no change`` where it does not; ``too few runs``
+        where no outcome of these runs could pass the test."""
+        if least_p_value(len(self.before), len(self.after)) > ALPHA:
+            return "too few runs"
+        difference = self.difference_us
+        if self.p_value > ALPHA or abs(difference) < MIN_CHANGE * abs(
+            statistics.median(self.before)
+        ):
+            return "no change"
+        return "faster" if difference < 0 else "slower"
 
     def cells(self) -> list[str]:
         before = statistics.median(self.before)
@@ -66,8 +85,35 @@ class Change:
             change += f" ({self.difference_us / before:+.1%})"
         return [
             self.workload, self.config, self.time, _runs(self.before), _runs(self.after),
-            change, self.verdict,
+            change, f"{self.p_value:.3f}", self.verdict,
         ]  # fmt: skip
+
+
+def rank_p_value(before: tuple[float, ...], after: tuple[float, ...]) -> float:
+    """The two-sided p-value of the Mann-Whitney test that ``after`` and ``before`` come
+    from one distribution: how often a split of the pooled runs into sides of these sizes
+    puts the ranks at least as far from even (ties count half). Exact over every split
+    up to ``_EXACT_SPLITS`` of them, else the normal approximation."""
+    n, m = len(before), len(after)
+    pooled = (*before, *after)
+    center = n * m / 2
+
+    def u(chosen: tuple[int, ...]) -> float:  # pairs where an ``after`` run is faster
+        rest = [pooled[i] for i in range(n + m) if i not in chosen]
+        return sum((a < b) + 0.5 * (a == b) for a in (pooled[i] for i in chosen) for b in rest)
+
+    observed = abs(u(tuple(range(n, n + m))) - center)
+    if math.comb(n + m, m) <= _EXACT_SPLITS:
+        splits = [abs(u(c) - center) for c in itertools.combinations(range(n + m), m)]
+        return sum(d >= observed - 1e-9 for d in splits) / len(splits)
+    sigma = math.sqrt(n * m * (n + m + 1) / 12)
+    return math.erfc(max(0.0, observed - 0.5) / sigma / math.sqrt(2))
+
+
+def least_p_value(n: int, m: int) -> float:
+    """The smallest p-value ``rank_p_value`` can give for sides of ``n`` and ``m`` runs:
+    that of complete separation, in either direction."""
+    return min(1.0, 2 / math.comb(n + m, m))
 
 
 def _runs(values: tuple[float, ...]) -> str:
@@ -114,8 +160,8 @@ def compare_runs(
 
 
 def summary(changes: list[Change]) -> str:
-    """Per time, how many rows got faster, slower or stayed within the runs' spread (and
-    how many had one run on a side, without a verdict)."""
+    """Per time, how many rows got faster, slower or did not change beyond the runs'
+    noise (and how many had too few runs for a verdict)."""
     lines = []
     for name in dict.fromkeys(c.time for c in changes):
         verdicts = [c.verdict for c in changes if c.time == name]
@@ -130,6 +176,6 @@ def summary(changes: list[Change]) -> str:
 VERDICTS = {
     "faster": "faster",
     "slower": "slower",
-    "within spread": "within the runs' spread",
-    "-": "with one run on a side (no verdict)",
+    "no change": "no change beyond the runs' noise",
+    "too few runs": f"with too few runs for a verdict (p <= {ALPHA} needs 3 a side)",
 }

@@ -91,8 +91,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         nargs="+",
         metavar="JSON",
         help="Time nothing: compare these --json runs (the tree before a change) with "
-        "--after's, row by row and time by time; a change is 'faster' or 'slower' when "
-        "every run of one side beat every run of the other (two or more runs a side).",
+        "--after's, row by row and time by time; a change is 'faster' or 'slower' where "
+        "the runs' ranks pass a Mann-Whitney test at p <= 0.1 (three runs a side at least) "
+        "and it is at least 1%% of the before median.",
     )
     parser.add_argument(
         "--after", nargs="+", metavar="JSON", help="The runs --before is compared with."
