@@ -37,6 +37,22 @@ def test_the_standard_matrix_covers_the_serving_shapes():
     assert len(names) == len(set(names))
 
 
+def test_the_short_matrix_is_decode_steps_far_below_a_32k_reservation():
+    """The rows a graph reserved for 32k replays (``--graph-context 32768``): decode
+    steps of at most 8k keys, one to 64 requests, uniform and ragged; none is a standard
+    row under another name."""
+    rows = MATRICES["short"]
+    assert {w.kind for w in rows} == {"decode", "ragged-decode"}
+    assert all(set(w.query_lens) == {1} and max(w.seq_lens) <= 8192 for w in rows)
+    assert {w.num_reqs for w in rows} >= {1, 16, 32, 64}
+    names = [w.name for w in rows]
+    assert len(set(names)) == len(names)
+    assert not set(names) & {w.name for w in MATRICES["standard"]}
+    assert [w.name for w in select_workloads("short", ["short-decode-32x*"])] == [
+        "short-decode-32x512"
+    ]
+
+
 def test_ragged_lengths_are_seeded_and_long_tailed():
     import random
 

@@ -173,6 +173,17 @@ def _matrix() -> dict[str, list[Workload]]:
         uniform("prefill-2x8192", 2, 8192, 8192, BASE, "prefill"),
         Workload("chunked-prefill-4x2048+8k", "chunked-prefill", (10240,) * 4, (2048,) * 4, BASE),
     ]
+    # decode steps far shorter than the longest context an engine reserves its CUDA
+    # graphs for (``pagedkv bench --matrix short --graph-context 32768``): the steps of
+    # the first thousands of tokens, where the reservation's plan, not the step, may
+    # set the launch (the twenty-fourth to twenty-seventh sessions' short rows)
+    short = [
+        uniform(f"short-decode-{batch}x{seq_len}", batch, seq_len, 1, BASE, "decode")
+        for batch, seq_len in (
+            (1, 1024), (1, 4096), (4, 2048), (2, 8192), (8, 4096), (16, 1024), (32, 512),
+            (64, 1024),
+        )
+    ] + [ragged_decode("short-ragged-decode-64", 64, 512, 4096, BASE, seed=17)]  # fmt: skip
     tiny = Layer(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype="fp32")
     cpu = [
         uniform("tiny-decode", 4, 100, 1, tiny, "decode"),
@@ -197,7 +208,8 @@ def _matrix() -> dict[str, list[Workload]]:
         mixed("tiny-mla-mixed", 3, 40, ((30, 9),), tiny_mla, seed=3),
     ]
     return {
-        "core": core, "standard": core + serving, "tiny": cpu, "mla": mla, "tiny-mla": cpu_mla,
+        "core": core, "standard": core + serving, "short": short, "tiny": cpu, "mla": mla,
+        "tiny-mla": cpu_mla,
     }  # fmt: skip
 
 

@@ -38,8 +38,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "e.g. 'triton,triton(num_splits=1),flashinfer'.",
     )
     parser.add_argument(
-        "--matrix", default=None, help="Workload matrix: core, standard or tiny; mla or "
-        "tiny-mla for MLA layers (default: standard on a GPU, tiny on a CPU)."
+        "--matrix", default=None, help="Workload matrix: core, standard or tiny; short "
+        "(decode steps far shorter than a graph's reservation: with --graph-context); mla "
+        "or tiny-mla for MLA layers (default: standard on a GPU, tiny on a CPU)."
     )  # fmt: skip
     parser.add_argument(
         "--workloads",
