@@ -356,11 +356,12 @@ def test_before_and_after_runs_are_compared_against_their_own_noise(tmp_path, ca
     assert "no (workload, config) with a time on both sides" in capsys.readouterr().err
 
 
-def test_the_rank_test_is_exact_for_few_runs_and_normal_for_many(monkeypatch):
-    """Mann-Whitney's two-sided p: complete separation of 3 against 3 runs is 2 of the 20
-    splits; one swap 4 of 20 either way; ties count half; many runs take the normal
-    approximation (as scipy's, which agree with both here)."""
-    from pagedkv.bench import compare
+def test_the_rank_test_is_exact_ties_included():
+    """Mann-Whitney's exact two-sided p: complete separation of 3 against 3 runs is 2 of
+    the 20 splits, one swap 4 of 20; ties take their mean rank; the count by rank sums
+    agrees with listing every split, and with scipy where there are no ties."""
+    import itertools
+
     from pagedkv.bench.compare import least_p_value, rank_p_value
 
     assert rank_p_value((3.0, 4.0, 5.0), (0.0, 1.0, 2.0)) == pytest.approx(0.1)
@@ -368,11 +369,27 @@ def test_the_rank_test_is_exact_for_few_runs_and_normal_for_many(monkeypatch):
     assert rank_p_value((2.0, 4.0, 5.0), (0.0, 1.0, 3.0)) == pytest.approx(0.2)
     assert rank_p_value((1.0, 1.0), (1.0, 1.0)) == 1.0
     assert least_p_value(2, 2) == pytest.approx(1 / 3) and least_p_value(4, 4) == 2 / 70
-    # 8 against 8 runs, no ties: C(16, 8) splits, exact; scipy 1.17.1's
-    # mannwhitneyu(after, before) gives 0.160528 (method="exact") and 0.156254
-    # ("asymptotic", with its continuity correction), as the normal approximation here
+
+    def listed(before, after):  # every split of the pooled runs, U by pairs
+        pooled, m = (*before, *after), len(after)
+
+        def u(side):
+            rest = [v for i, v in enumerate(pooled) if i not in side]
+            return sum((a < b) + 0.5 * (a == b) for a in (pooled[i] for i in side) for b in rest)
+
+        center = len(before) * m / 2
+        observed = abs(u(range(len(before), len(pooled))) - center)
+        splits = [abs(u(c) - center) for c in itertools.combinations(range(len(pooled)), m)]
+        return sum(d >= observed - 1e-9 for d in splits) / len(splits)
+
+    for before, after in [
+        ((10.0, 11.0, 11.0, 12.5), (9.0, 11.0, 10.0)),
+        ((5.0, 5.0, 6.0, 7.0, 7.0), (4.0, 5.0, 7.0, 3.0, 3.0, 8.0)),
+        ((1.0, 2.0, 3.0), (2.0, 2.0, 2.0)),
+    ]:
+        assert rank_p_value(before, after) == pytest.approx(listed(before, after))
+    # 8 against 8 runs, no ties (12,870 splits): scipy 1.17.1's
+    # mannwhitneyu(after, before, method="exact") gives 0.160528
     before = (5.0, 7.0, 9.0, 11.0, 12.0, 14.0, 15.0, 17.0)
     after = (1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 13.0, 16.0)
     assert rank_p_value(before, after) == pytest.approx(0.160528, abs=1e-6)
-    monkeypatch.setattr(compare, "_EXACT_SPLITS", 0)
-    assert rank_p_value(before, after) == pytest.approx(0.156254, abs=1e-6)
