@@ -341,6 +341,10 @@ def test_before_and_after_runs_are_compared_against_their_own_noise(tmp_path, ca
     assert "before: " in out and "after: " in out and "gpu-b" in out
     text = md.read_text()
     assert "| w1 | triton | eager | 101.0 (100.0-102.0) | 95.0 (94.0-96.0) |" in text
+    # a regression gate: the write got slower
+    assert main([*argv, "--fail-on-slower"]) == 1
+    assert main([*argv, "--fail-on-slower", "--times", "eager,graph"]) == 0
+    capsys.readouterr()
     # only the times asked for
     assert main([*argv, "--times", "graph"]) == 0
     assert {line.split()[2] for line in capsys.readouterr().out.splitlines()

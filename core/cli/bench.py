@@ -100,6 +100,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--after", nargs="+", metavar="JSON", help="The runs --before is compared with."
     )
     parser.add_argument(
+        "--fail-on-slower",
+        action="store_true",
+        help="With --before/--after, exit 1 when a time got slower (as `asv continuous` "
+        "does on a regression), e.g. in a GPU runner's CI.",
+    )
+    parser.add_argument(
         "--times",
         default="",
         help="With --before/--after, only these times (comma-separated): "
@@ -174,7 +180,7 @@ def compare(args: argparse.Namespace) -> int:
                     *(f"- {s}" for s in sources),
                 ]) + "\n"
             )  # fmt: skip
-    return 0
+    return 1 if args.fail_on_slower and any(c.verdict == "slower" for c in changes) else 0
 
 
 def run(args: argparse.Namespace) -> int:
