@@ -458,7 +458,8 @@ def test_a_step_that_leaves_sms_idle_takes_short_splits():
     splits); one that fills the SMs keeps 512. A CUDA-graph plan is as wide as one
     request of its longest sequence splits at the floor of the bounds' fullest step:
     bounds of a full grid keep its narrow width, and their short steps still take short
-    splits within it."""
+    splits within it. A graph step keeps the short floor while its unsplit grid leaves
+    slots of the split kernel free."""
     fit = h200_fits("bf16")
     assert _plan(H200_LAYER, [1024], [1], fit=fit).num_splits == 8  # 8 programs
     assert _plan(H200_LAYER, [700], [1], fit=fit).num_splits == 6
@@ -482,6 +483,9 @@ def test_a_step_that_leaves_sms_idle_takes_short_splits():
 
     assert (in_graph(1024, 1).num_splits, in_graph(1024, 1).keys_per_split) == (8, 128)
     assert in_graph(1024, 64).num_splits == 1
+    # a graph step pays the merge whatever its splits: 32 x 512 (256 programs, more than
+    # the SMs, fewer than the split kernel's slots) splits in two there, not eagerly
+    assert (in_graph(512, 32).num_splits, in_graph(512, 32).keys_per_split) == (2, 256)
 
 
 def test_a_reserved_list_holds_32_programs_an_sm_and_binds_no_ragged_row():

@@ -845,10 +845,17 @@ def step_splits(
     """A step's splits under a CUDA-graph plan with ``dynamic_splits``: the makespan
     rule over the step's own requests (even shares or fixed key ranges), with the
     plan's tile, at most the plan's width and, listed, ``max_items`` work items (the
-    captured grid's, ``graph_items``)."""
+    captured grid's, ``graph_items``). Such a step writes partials and runs the merge
+    whatever its splits, so short splits cost it only their programs: it takes the
+    sparse floor while its unsplit grid leaves slots of the split kernel free, not only
+    SMs (H200, a 32 x 512 step, 256 programs, in a graph reserved for 32k: one split at
+    the 512-key floor 29.5 us, two of 256 keys 26.2; thirty-fifth session)."""
+    # (the captured launch: a list of work items where listing, else a grid of shares)
+    form = LaunchForm.KEY_RANGES if listing else LaunchForm.EVEN_SHARES
+    slots = slots_per_sm(layer, plan.tile, form, fit) * num_sms
     return makespan_splits(
         layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit,
-        key_ranges=True, listing=listing, max_items=max_items,
+        key_ranges=True, listing=listing, max_items=max_items, sparse_below=slots,
     )  # fmt: skip
 
 
@@ -935,6 +942,7 @@ def makespan_splits(
     max_items: int | None = None,
     range_multiples: tuple[float, ...] = (1.0,),
     floor_step: StepShape | None = None,
+    sparse_below: int | None = None,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -949,7 +957,8 @@ def makespan_splits(
     ``max_items`` of them (a CUDA-graph grid's). ``range_multiples``: the key ranges
     compared, powers of two of the tile times each of these. ``floor_step``: the step
     whose unsplit grid decides the fewest keys a split keeps (``SplitPolicy.key_floor``;
-    default: this one)."""
+    default: this one); ``sparse_below``: the grid size (programs of all KV heads) below
+    which it keeps the sparse floor (default: the SM count)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
@@ -977,7 +986,9 @@ def makespan_splits(
         listed=listing and one_block_per_request(step, block_q),
         max_programs=max_items,
         range_multiples=range_multiples,
-        min_keys_per_split=SPLIT_POLICY.key_floor(len(floor_keys) * layer.num_kv_heads, num_sms),
+        min_keys_per_split=SPLIT_POLICY.key_floor(
+            len(floor_keys) * layer.num_kv_heads, sparse_below or num_sms
+        ),
     )
 
 
