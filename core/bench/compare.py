@@ -8,10 +8,10 @@ moved 1-3% between calls of one session on the H200). So each side is several ru
 (best alternated, old / new / old / new, so that a drift of the machine falls on both),
 and a change gets a verdict only where the runs' ranks make it unlikely to be that
 noise: the exact two-sided Mann-Whitney test at ``ALPHA`` (the test ``asv compare``
-applies to a benchmark's samples), and a change of at least ``MIN_CHANGE`` of the before median. With
-two runs a side no split of the runs is rare enough (complete separation happens one
-time in three by chance); with three, complete separation is the one that counts (one
-time in ten by chance); with four, one time in 35.
+applies to a benchmark's samples), and a change of at least ``MIN_CHANGE`` of the
+before median. With two runs a side no split of the runs is rare enough (complete
+separation happens one time in three by chance); with three, complete separation is
+the one that counts (one time in ten by chance); with four, one time in 35.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pagedkv.bench.report import saved_rows
 from pagedkv.bench.runners import Row
 
 # the times compared, by their column in ``Row`` (lower is better for each); ``host_us``
@@ -133,13 +134,10 @@ def _runs(values: tuple[float, ...]) -> str:
 def _rows(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[Row]]:
     """Each (workload, config)'s rows over ``runs`` (``--json`` files' contents), in
     order of appearance; rows that failed are left out."""
-    names = [f.name for f in fields(Row)]
     found: dict[tuple[str, str], list[Row]] = {}
     for run in runs:
-        for saved in run.get("rows", []):
-            row = Row(**{k: saved[k] for k in names if k in saved})
-            if not row.error:
-                found.setdefault((row.workload, row.impl), []).append(row)
+        for row in saved_rows(run):
+            found.setdefault((row.workload, row.impl), []).append(row)
     return found
 
 

@@ -123,16 +123,13 @@ def merged_matrix(
     ``*``. Returns (headers, rows, the runs' sources, one line each)."""
     cells: dict[tuple[str, str], tuple[int, Row]] = {}
     references: dict[str, dict[int, Row]] = {}  # every run's, by workload
-    row_fields = [f.name for f in fields(Row)]
     sources = []
     for index, (name, run) in enumerate(runs):
         sources.append(run_source(name, run))
-        for saved in run.get("rows", []):
-            row = Row(**{k: saved[k] for k in row_fields if k in saved})
-            if not row.error:
-                cells[(row.workload, row.impl)] = (index, row)
-                if row.impl == reference:
-                    references.setdefault(row.workload, {})[index] = row
+        for row in saved_rows(run):
+            cells[(row.workload, row.impl)] = (index, row)
+            if row.impl == reference:
+                references.setdefault(row.workload, {})[index] = row
     workloads = list(dict.fromkeys(w for w, _ in cells))
     impls = list(dict.fromkeys(i for _, i in cells))
 
@@ -179,6 +176,14 @@ def merged_markdown(runs: list[tuple[str, dict[str, Any]]], reference: str = "fl
         "",
         *(f"- {s}" for s in sources),
     ]) + "\n"  # fmt: skip
+
+
+def saved_rows(run: dict[str, Any]) -> list[Row]:
+    """The rows of a ``--json`` run (``write_json``'s, of this version or an earlier one:
+    fields it lacks keep their defaults) that did not fail."""
+    names = [f.name for f in fields(Row)]
+    rows = (Row(**{k: saved[k] for k in names if k in saved}) for saved in run.get("rows", []))
+    return [row for row in rows if not row.error]
 
 
 def write_json(path: str, rows: list[Row], env: dict[str, Any]) -> None:
