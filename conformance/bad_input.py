@@ -137,6 +137,14 @@ def bad_input_problems(backend: AttentionBackend, base: Scenario, device: str) -
         (broken, lambda call=call: forward(problem.common, call))
         for broken, call in argument_breakages(args, spec.is_mla)
     ]
+    if not isinstance(builder.build(problem.common), CommonAttentionMetadata):
+        # the step itself where its built metadata belongs (``forward(..., common)``, the
+        # build forgotten): its fields are not the backend's, read from inside a kernel
+        # call they fail with an AttributeError or are misread
+        unbuilt = Breakage("the step's CommonAttentionMetadata, not built", "metadata")
+        a = args
+        step_args = (a["query"], a["key"], a["value"], a["kv_cache"], problem.common, a["output"])
+        cases.append((unbuilt, lambda: impl.forward(*step_args)))
     for broken, call in cases:
         before = cache.view(torch.uint8).clone()
         with full_validation(broken.needs_validation):

@@ -25,11 +25,12 @@ themselves, keep working: docs/contract.md says how to move them.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 import torch
 from pagedkv.capabilities import Capabilities
@@ -45,18 +46,6 @@ if TYPE_CHECKING:
     from pagedkv.toolkit.kv_write import KVWriter
 
 M = TypeVar("M")
-
-
-class StepMetadata(Protocol):
-    """What the shared ``forward`` reads from any backend's metadata."""
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:  # [T] int64, < 0 = padding
-        ...
-
-    @property
-    def num_tokens(self) -> int:  # T, rows of query/key/value/output
-        ...
 
 
 @dataclass(frozen=True)
@@ -174,6 +163,18 @@ class AttentionImpl(ABC, Generic[M]):
     ``sinks`` ([num_heads] float32 logits) is required iff spec.use_sinks.
     """
 
+    # what this impl's builder builds: M of ``AttentionImpl[M]``, found when the subclass
+    # is defined (None where it leaves M open), so that another backend's metadata is
+    # refused by name, not by an AttributeError from inside its attend
+    metadata_class: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if get_origin(base) is AttentionImpl:
+                (arg,) = get_args(base)
+                cls.metadata_class = arg if isinstance(arg, type) and arg is not Any else None
+
     def __init__(
         self,
         spec: AttentionSpec,
@@ -225,8 +226,7 @@ class AttentionImpl(ABC, Generic[M]):
         A step of no token rows (T = 0: a scheduler's empty step, a rank with no requests)
         has nothing to write or attend: ``write_kv`` and ``attend`` are never called with
         zero rows, which some kernel launchers reject (JAX's Pallas did, deep inside)."""
-        md: StepMetadata = metadata  # type: ignore[assignment]
-        num_tokens = md.num_tokens
+        num_tokens = self.check_metadata(metadata)
         self.check_forward_args(query, key, value, num_tokens, output)
         self.check_cache(kv_cache, query.device, metadata)
         out = self.new_output(query, output)
@@ -312,6 +312,23 @@ class AttentionImpl(ABC, Generic[M]):
                 "backend.make_impl(spec) (or pass cache_layout=)"
             )
         return self.cache_layout
+
+    def check_metadata(self, metadata: object) -> int:
+        """Raise UnsupportedError unless ``metadata`` is what this backend's builder
+        builds; return its token count (T)."""
+        cls = self.metadata_class
+        if cls is not None and not isinstance(metadata, cls):
+            raise UnsupportedError(
+                f"metadata: expected the {cls.__name__} that this backend's "
+                f"builder.build() returns, got {type(metadata).__name__}"
+            )
+        num_tokens = getattr(metadata, "num_tokens", None)
+        if not isinstance(num_tokens, int):
+            raise UnsupportedError(
+                "metadata: expected a builder's step metadata (with num_tokens and "
+                f"slot_mapping), got {type(metadata).__name__}"
+            )
+        return num_tokens
 
     def check_cache(
         self, kv_cache: object, device: torch.device | None = None, metadata: object = None
@@ -579,6 +596,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """A zero-filled cache. Zeros, not garbage: some kernels read the rows past a
         sequence's end inside its last block and need them finite."""
+        is_count = hasattr(num_blocks, "__index__") and not isinstance(num_blocks, bool)
+        if not is_count or operator.index(num_blocks) < 1:
+            raise UnsupportedError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        num_blocks = operator.index(num_blocks)
         shape = self.get_kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
         )

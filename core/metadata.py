@@ -138,8 +138,9 @@ class CommonAttentionMetadata:
 
     # -- validation ---------------------------------------------------------------
 
-    def validate(self, num_blocks: int) -> None:
-        """Check every invariant against a pool of ``num_blocks`` blocks.
+    def validate(self, num_blocks: int | None) -> None:
+        """Check every invariant against a pool of ``num_blocks`` blocks (None: the pool's
+        size is not known, so block ids and slots are bounded below only).
 
         Raises MetadataError naming the field, the request (or token) and what was
         expected; among them, a scheduled token mapped into block 0, the null block
@@ -209,26 +210,31 @@ class CommonAttentionMetadata:
                 f"block_size {self.block_size}) needs {blocks_needed[i]}"
             )
         used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
-        bad = used & ((table < 0) | (table >= num_blocks))
+        bad = used & (table < 0 if num_blocks is None else (table < 0) | (table >= num_blocks))
         if bad.any():
             i, j = np.argwhere(bad)[0]
             raise MetadataError(
-                f"block_table[{i}, {j}] = {table[i, j]} (request {i}) is out of range: "
-                f"expected a block id in [0, {num_blocks})"
+                f"block_table[{i}, {j}] = {table[i, j]} (request {i}) is out of range: expected "
+                + ("a block id >= 0" if num_blocks is None else f"a block id in [0, {num_blocks})")
             )
         self._validate_slots(table, qsl, seq, num_blocks)
 
     def _validate_slots(
-        self, table: np.ndarray, qsl: np.ndarray, seq: np.ndarray, num_blocks: int
+        self, table: np.ndarray, qsl: np.ndarray, seq: np.ndarray, num_blocks: int | None
     ) -> None:
         slots = self.slot_mapping.cpu().numpy()
-        num_slots = num_blocks * self.block_size
         expected = compute_slot_mapping(table, qsl, seq, self.block_size, self.num_tokens)
         actual = slots[: self.num_actual_tokens]
-        for t in np.flatnonzero((actual < 0) | (actual >= num_slots))[:1]:
+        if num_blocks is None:
+            out_of_range, wanted = actual < 0, "a slot >= 0"
+        else:
+            num_slots = num_blocks * self.block_size
+            out_of_range = (actual < 0) | (actual >= num_slots)
+            wanted = f"a slot in [0, {num_slots})"
+        for t in np.flatnonzero(out_of_range)[:1]:
             raise MetadataError(
                 f"slot_mapping[{t}] = {actual[t]} (request {_request_of(qsl, t)}) is out of range: "
-                f"expected a slot in [0, {num_slots}) for a scheduled token"
+                f"expected {wanted} for a scheduled token"
             )
         # Block 0 is the null block: padding shared by every table, never a request's.
         for t in np.flatnonzero(actual < self.block_size)[:1]:

@@ -3,6 +3,9 @@ contract's step or argument checks is caught, each breakage named."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from pagedkv import AttentionImpl
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.builder import TorchMetadataBuilder
 from pagedkv.backends.torch.impl import TorchAttentionImpl
@@ -26,6 +29,10 @@ class _UncheckedImpl(TorchAttentionImpl):
             self.write_kv(key, value, kv_cache, metadata)
         self.attend(query, kv_cache, metadata, out)
         return out
+
+
+class _OpenImpl(TorchAttentionImpl, AttentionImpl[Any]):
+    """Leaves its metadata class open (M = Any), so nothing names what it was given."""
 
 
 def _backend(name: str, builder=None, impl=None) -> TorchBackend:
@@ -60,3 +67,12 @@ def test_a_forward_that_skips_the_argument_checks_is_caught():
     caught = {p.split(":")[0] for p in problems}
     assert {"query heads", "output rows", "key rows", "cache shape"} <= caught
     assert any("the cache changed before the error" in p for p in problems)
+
+
+def test_an_impl_that_does_not_name_its_metadata_is_caught():
+    assert TorchAttentionImpl.metadata_class is not None and _OpenImpl.metadata_class is None
+    problems = _problems(_backend("open_metadata", impl=_OpenImpl))
+    assert [p.split(":")[0] for p in problems] == [
+        "the step's CommonAttentionMetadata, not built"
+    ] * 2
+    assert "AttributeError" in problems[0] and "the cache changed" in problems[1]

@@ -11,6 +11,7 @@ import sys
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from pagedkv import (
@@ -112,6 +113,20 @@ def test_debug_switch_validates_block_ids_against_the_pool():
         impl.forward(*_inputs(5), cache, builder.build(common))
 
 
+def test_debug_switch_at_build_bounds_block_ids_below_only():
+    # a builder does not know the pool's size: a negative id is refused as such, with no
+    # made-up upper bound in the message (it once printed [0, 2**58 - 1))
+    builder = TorchBackend().make_builder(SPEC, "cpu")
+    common = _step([5], [5], [[1, 9]])
+    negative = dataclasses.replace(common, block_table=torch.tensor([[-3, 9]], dtype=torch.int32))
+    with full_validation(True):
+        builder.build(common)  # block 9 passes: only the forward knows the pool's 5 blocks
+        with pytest.raises(
+            MetadataError, match=r"block_table\[0, 0\] = -3 .*expected a block id >= 0$"
+        ):
+            builder.build(negative)
+
+
 def test_debug_switch_is_read_from_the_environment_at_import():
     code = "from pagedkv.step_check import full_validation_enabled as f; print(f())"
     for value, expected in (("1", "True"), ("on", "True"), ("", "False"), ("0", "False")):
@@ -206,6 +221,42 @@ def test_parts_must_implement_their_method():
         NoAttend(SPEC)
     with pytest.raises(TypeError, match="must implement build_metadata"):
         NoBuild(SPEC, "cpu")
+
+
+def test_forward_refuses_metadata_its_builder_did_not_build():
+    backend = TorchBackend()
+    common = _step([5, 3], [1, 3], [[1, 2], [3]])
+    cache = backend.allocate_kv_cache(5, SPEC, "cpu")
+    impl = backend.make_impl(SPEC)
+    assert type(impl).metadata_class is TorchMetadata  # M of AttentionImpl[TorchMetadata]
+    before = cache.clone()
+    # the step itself, the build forgotten; another backend's metadata; no metadata at all
+    first_contract = FirstContractBackend().make_builder(SPEC, "cpu").build(common)
+    for wrong in (common, first_contract, object()):
+        name = type(wrong).__name__
+        with pytest.raises(
+            UnsupportedError, match=f"metadata: expected the TorchMetadata .* got {name}"
+        ):
+            impl.forward(*_inputs(4), cache, wrong)
+    assert torch.equal(cache, before)  # refused before the write
+    # an impl that leaves M open takes what its builder builds, and still refuses an
+    # object that is no step's metadata by name
+    assert _FirstContractImpl.metadata_class is None
+    open_impl = FirstContractBackend().make_impl(SPEC)
+    with pytest.raises(UnsupportedError, match="metadata: expected a builder's step metadata"):
+        AttentionImpl.forward(open_impl, *_inputs(4), cache, object())
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, 2.0, True, "3", None])
+def test_a_cache_of_no_blocks_or_of_a_non_count_is_refused(num_blocks):
+    with pytest.raises(
+        UnsupportedError, match=f"num_blocks: expected a positive int, got {num_blocks!r}"
+    ):
+        TorchBackend().allocate_kv_cache(num_blocks, SPEC, "cpu")
+
+
+def test_a_cache_takes_any_integer_count():
+    assert TorchBackend().allocate_kv_cache(np.int64(3), SPEC, "cpu").shape[1] == 3
 
 
 # -- CUDA-graph staging (the mechanics, runnable on a CPU) ---------------------------------

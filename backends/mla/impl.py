@@ -71,6 +71,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         go to their slots, concatenated in the cache; negative slots are skipped.
         use_triton: as ``pagedkv.toolkit.kv_write.write_kv_by_slot`` (None: the Triton
         kernel for CUDA tensors)."""
+        self.check_metadata(metadata)
         self.check_cache(kv_cache, kv_cache.device, metadata)
         self._write_parts(kv_c, k_pe, kv_cache, metadata, use_triton)
 
@@ -108,7 +109,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         metadata: MLAMetadata,
         use_triton: bool | None,
     ) -> None:
-        s, num_tokens = self.spec, metadata.num_tokens
+        s, num_tokens = self.spec, self.check_metadata(metadata)
         expect_tensor("kv_c", kv_c, (num_tokens, s.kv_lora_rank), s.dtype)
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3:
             expect_tensor("k_pe", k_pe, (num_tokens, 1, s.qk_rope_head_dim), s.dtype)
@@ -155,7 +156,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         [T, 1, R], the new latent rows (both None: nothing to write). Returns
         ``output`` or a new [T, H, L] tensor in spec.dtype.
         """
-        s, num_tokens = self.spec, metadata.num_tokens
+        s, num_tokens = self.spec, self.check_metadata(metadata)
         expect_tensor("q_nope", q_nope, (num_tokens, s.num_heads, s.kv_lora_rank), s.dtype)
         expect_tensor("q_pe", q_pe, (num_tokens, s.num_heads, s.qk_rope_head_dim), s.dtype)
         if output is not None:

@@ -74,11 +74,6 @@ class PallasAttentionImpl(AttentionImpl[PallasMetadata]):
         metadata: PallasMetadata,
         output: torch.Tensor,  # [T, num_heads, head_size]
     ) -> None:
-        if not isinstance(metadata, PallasMetadata):
-            raise UnsupportedError(
-                "metadata: expected the PallasMetadata of this backend's builder.build(), "
-                f"got {type(metadata).__name__}"
-            )
         if metadata.launcher == "direct":
             self._attend_direct(query, kv_cache, metadata, output)
             return
