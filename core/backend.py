@@ -607,7 +607,12 @@ class AttentionBackend(ABC):
 
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """kv_cache block dst[i] := block src[i] (all K/V data of the block); used for
-        copy-on-write. All sources are read before any destination is written."""
+        copy-on-write. All sources are read before any destination is written. Block ids
+        are checked against the pool where they are on the host (lists, CPU tensors); ids
+        already on the device only with PAGEDKV_VALIDATE=1 (the check reads them back)."""
+        num_blocks = kv_cache.shape[self.block_axis]
+        _check_block_ids("src", src, num_blocks)
+        _check_block_ids("dst", dst, num_blocks)
         src = torch.as_tensor(src, dtype=torch.int64, device=kv_cache.device)
         dst = torch.as_tensor(dst, dtype=torch.int64, device=kv_cache.device)
         if src.shape != dst.shape or src.dim() != 1:
@@ -682,3 +687,18 @@ class AttentionBackend(ABC):
         reasons = self.validate(spec, device)
         if reasons:
             raise UnsupportedError(f"{self!r} cannot run this layer: " + "; ".join(reasons))
+
+
+def _check_block_ids(name: str, ids: object, num_blocks: int) -> None:
+    """Raise UnsupportedError naming the first id of ``ids`` outside the pool; ids on
+    the device are read back only with PAGEDKV_VALIDATE=1 (the read waits for the GPU)."""
+    if isinstance(ids, torch.Tensor) and ids.device.type != "cpu" and not full_validation_enabled():
+        return
+    host = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
+    bad = ((host < 0) | (host >= num_blocks)).nonzero()
+    if len(bad):
+        at = bad[0].tolist()
+        raise UnsupportedError(
+            f"copy_blocks: {name}{at} = {int(host[tuple(at)])} is out of range: "
+            f"expected a block id in [0, {num_blocks})"
+        )

@@ -78,6 +78,8 @@ class CommonAttentionMetadata:
         ``num_tokens`` pads T (extra slots are -1); ``max_blocks_per_req`` widens the
         block table (unused entries point at the null block 0).
         """
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise MetadataError(f"block_size must be a positive int, got {block_size!r}")
         if not (len(seq_lens) == len(query_lens) == len(block_ids)):
             raise MetadataError(
                 f"seq_lens, query_lens and block_ids must have one entry per request, got "

@@ -255,6 +255,21 @@ def test_a_cache_of_no_blocks_or_of_a_non_count_is_refused(num_blocks):
         TorchBackend().allocate_kv_cache(num_blocks, SPEC, "cpu")
 
 
+@pytest.mark.parametrize(
+    "src, dst, message",
+    [
+        ([1], [9], r"dst\[0\] = 9 is out of range: expected a block id in \[0, 4\)"),
+        (torch.tensor([1, -2]), [2, 3], r"src\[1\] = -2 is out of range"),
+    ],
+)
+def test_copy_blocks_refuses_ids_past_the_pool(src, dst, message):
+    # on a GPU such an id is a device-side assert in index_copy_, which ends the process's
+    # CUDA context: host ids are checked before they are sent
+    cache = TorchBackend().allocate_kv_cache(4, SPEC, "cpu")
+    with pytest.raises(UnsupportedError, match=message):
+        TorchBackend().copy_blocks(cache, src, dst)
+
+
 def test_a_cache_takes_any_integer_count():
     assert TorchBackend().allocate_kv_cache(np.int64(3), SPEC, "cpu").shape[1] == 3
 

@@ -160,6 +160,9 @@ def test_from_requests_rejects_bad_input():
         sample(block_ids=[[7], [2], [9]])
     with pytest.raises(MetadataError, match="one entry per request"):
         sample(query_lens=[5, 3])
+    for block_size in (0, -16, 16.0):  # 0 divided by zero inside the slot arithmetic
+        with pytest.raises(MetadataError, match="block_size must be a positive int"):
+            CommonAttentionMetadata.from_requests([4], [1], [[1]], block_size)
 
 
 def test_slot_mapping_matches_naive_loop():
