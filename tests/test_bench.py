@@ -178,6 +178,16 @@ def test_bad_selections_are_config_errors():
         select_workloads("tiny", ["nope"])
 
 
+def test_a_config_typo_fails_before_anything_is_timed(capsys):
+    base = ["bench", "--device", "cpu", "--workloads", "tiny-decode", "--no-graph"]
+    assert main([*base, "--backends", "torch,tritn"]) != 0
+    captured = capsys.readouterr()
+    assert "unknown attention backend 'tritn'" in captured.err
+    assert "tiny-decode" not in captured.out  # no row ran
+    assert main([*base, "--backends", "torch(,triton"]) != 0
+    assert "malformed backend config" in capsys.readouterr().err
+
+
 def test_profile_lists_what_one_call_runs(tmp_path):
     """--profile: each row's kernels (on a CPU, the torch operators) per call, longest
     first, in the progress lines, the JSON and the markdown."""

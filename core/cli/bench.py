@@ -20,6 +20,20 @@ def split_configs(text: str) -> list[str]:
     return [c.strip() for c in out if c.strip()]
 
 
+def check_names(configs: list[str]) -> None:
+    """Raise before anything is timed where a config is malformed or names a backend no
+    plugin registered (a typo would time as ERROR rows, found at the end of a GPU run);
+    a registered backend that cannot run here still times as its rows' ERROR, saying why."""
+    from pagedkv.config import AUTO, parse_config
+    from pagedkv.registry import get_registry
+
+    registry = get_registry()
+    for config in configs:
+        for choice in parse_config(config):
+            if choice.name != AUTO and registry.failure_for(choice.name) is None:
+                registry.backend_class(choice.name)
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "bench",
@@ -216,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     configs = split_configs(args.backends)
     if not configs:
         raise ConfigError("--backends: expected at least one backend config")
+    check_names(configs)
     rows, env = run_bench(
         configs,
         workloads,
