@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from pagedkv.backend import BackendMetadata
+from pagedkv.backend import AttentionImpl, BackendMetadata
 from pagedkv.backends.torch import TorchBackend
 from pagedkv.backends.torch.builder import TorchMetadataBuilder
 from pagedkv.backends.torch.impl import TorchAttentionImpl
@@ -141,9 +141,18 @@ class _CapturedCountBuilder(TorchMetadataBuilder):
         return _Replay(common, live)
 
 
+class _ReplayImpl(TorchAttentionImpl, AttentionImpl[_Replay]):
+    """The torch impl, declared to read the replay metadata the builders above build."""
+
+
 def _graph_backend(name, builder):
     capabilities = dataclasses.replace(TorchBackend.capabilities, cuda_graph=GraphSupport.MIXED)
-    attributes = dict(name=name, capabilities=capabilities, get_builder_cls=lambda self: builder)
+    attributes = dict(
+        name=name,
+        capabilities=capabilities,
+        get_builder_cls=lambda self: builder,
+        get_impl_cls=lambda self: _ReplayImpl,
+    )
     return type(name, (TorchBackend,), attributes)()
 
 
