@@ -245,6 +245,13 @@ def test_request_errors_name_the_problem():
         engine.add_request("a", [3])
     with pytest.raises(RequestError, match="the pool has 2; it could never run"):
         Engine(TinyDecoder(), _tight_config(num_blocks=3)).add_request("b", [1] * 40)
+    # arguments in the wrong places: named, not a TypeError from iterating them
+    with pytest.raises(RequestError, match="request_id: expected a str, got list"):
+        engine.add_request([1, 2], SamplingParams())  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="prompt_token_ids must be a sequence .* got str"):
+        engine.add_request("c", "hello")  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="params must be SamplingParams, got dict"):
+        engine.add_request("c", [1], {"max_tokens": 2})  # type: ignore[arg-type]
 
 
 def test_a_sequence_that_outgrows_the_pool_is_reported():

@@ -110,6 +110,17 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
     ) -> None:
+        if not isinstance(request_id, str):
+            raise RequestError(f"request_id: expected a str, got {type(request_id).__name__}")
+        if isinstance(prompt_token_ids, str) or not isinstance(prompt_token_ids, Sequence):
+            raise RequestError(
+                f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, "
+                f"got {type(prompt_token_ids).__name__} (encode text with a tokenizer first)"
+            )
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(
+                f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}"
+            )
         vocab = self.model.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
