@@ -152,6 +152,9 @@ MODEL = ["--num-layers", "40", "--num-kv-heads", "8", "--head-size", "128"]
         (["demo", "--device", "gpu0"], "argument --device: expected a torch device"),
         (["demo", "--backend", "torch("], "argument --backend: malformed backend config"),
         (["backends", "--colour"], "unrecognized arguments: --colour"),
+        # a prefix of an option is no option (it took --prompt '' for --prompts-file '')
+        (["generate", "--prompt", ""], "unrecognized arguments: --prompt"),
+        (["bench", "--backend", "torch"], "unrecognized arguments: --backend torch"),
     ],
 )
 def test_bad_values_are_usage_errors(capsys, tmp_path, monkeypatch, argv, message):

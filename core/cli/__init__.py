@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pagedkv
 from pagedkv.errors import PagedKVError, UsageError
@@ -33,7 +33,13 @@ SUBCOMMANDS = {
 
 
 class Parser(argparse.ArgumentParser):
-    """Reports a bad command line as ``pagedkv: error: ...`` and exits with status 2."""
+    """Reports a bad command line as ``pagedkv: error: ...`` and exits with status 2.
+    Options are matched whole: argparse's prefixes took ``generate --prompt ''`` for
+    ``--prompts-file ''`` and served the default prompts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"pagedkv: error: {message}\n  (see '{self.prog} --help')\n")
