@@ -117,19 +117,20 @@ for section in "$@"; do
         [[ -f $bundle/install.sh ]] && bash "$bundle/install.sh" "$bundle" 2>/dev/null
       done
       export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-      # FlashInfer's compiled kernels from an earlier call or session (section jit-save):
-      # a fresh machine otherwise spends many minutes in nvcc. They go where FlashInfer
-      # looks for ahead-of-time builds (flashinfer/data/aot/<module>/<module>.so), which
-      # it loads without a build step; the JIT cache would rebuild a .so whose object
-      # files are missing
-      parts=(.gpu-bundles/flashinfer-jit/flashinfer-jit.tgz.part-*)
-      if [[ -f ${parts[0]} ]]; then
-        aot=$($PY -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
-        if [[ -n $aot ]]; then
+      # FlashInfer's compiled kernels from an earlier call or session (section jit-save)
+      # or built offline (benchmarks/flashinfer_aot.py): a fresh machine otherwise spends
+      # many minutes in nvcc. They go where FlashInfer looks for ahead-of-time builds
+      # (flashinfer/data/aot/<module>/<module>.so), which it loads without a build step;
+      # the JIT cache would rebuild a .so whose object files are missing. Each carried
+      # .gpu-bundles/flashinfer-jit*/ folder holds one archive in parts
+      aot=$($PY -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
+      for folder in .gpu-bundles/flashinfer-jit*/; do
+        parts=("$folder"flashinfer-jit.tgz.part-*)
+        if [[ -n $aot && -f ${parts[0]} ]]; then
           mkdir -p "$aot" && cat "${parts[@]}" | tar -xzf - -C "$aot"
-          log "restored $(ls "$aot" | wc -l) FlashInfer modules built earlier into $aot"
+          log "restored the FlashInfer modules of $folder: $(ls "$aot" | wc -l) in $aot"
         fi
-      fi
+      done
       $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$SUMMARY"
