@@ -38,15 +38,13 @@ NAME = re.compile(
     r"_posenc_(?P<posenc>\d)_use_swa_(?P<swa>True|False)_use_logits_cap_(?P<cap>True|False)"
     r"_f16qk_(?P<f16qk>True|False)_(?P<kind>kv_stride_equal|paged_kv_stride_independent|sm90)"
 )
-DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn",
-          "e5m2": "float8_e5m2", "i32": "int32"}  # fmt: skip
 PART_BYTES = 15 << 20  # a file that comes back from the GPU host holds at most 16 MiB
 
 
 def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
     """FlashInfer's spec of the module called ``name``, from its own generators."""
-    import torch
     from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.utils import filename_safe_dtype_map
     from flashinfer.prefill import (
         _gen_batch_prefill_independent_paged_module,
         _gen_batch_prefill_primary_module,
@@ -55,7 +53,8 @@ def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
     m = NAME.fullmatch(name)
     if m is None:
         raise SystemExit(f"{name}: not a batch-prefill module name this tool builds")
-    dtype = {k: getattr(torch, DTYPES[m[k]]) for k in ("q", "kv", "o", "idx")}
+    dtype_of = {short: dtype for dtype, short in filename_safe_dtype_map.items()}
+    dtype = {k: dtype_of[m[k]] for k in ("q", "kv", "o", "idx")}
     args = (dtype["q"], dtype["kv"], dtype["o"], dtype["idx"], int(m["dqk"]), int(m["dvo"]),
             int(m["posenc"]), m["swa"] == "True", m["cap"] == "True", m["f16qk"] == "True")  # fmt: skip
     generate = {

@@ -142,9 +142,8 @@ def bad_input_problems(backend: AttentionBackend, base: Scenario, device: str) -
         # build forgotten): its fields are not the backend's, read from inside a kernel
         # call they fail with an AttributeError or are misread
         unbuilt = Breakage("the step's CommonAttentionMetadata, not built", "metadata")
-        a = args
-        step_args = (a["query"], a["key"], a["value"], a["kv_cache"], problem.common, a["output"])
-        cases.append((unbuilt, lambda: impl.forward(*step_args)))
+        unbuilt_args = (*(args[k] for k in ("query", "key", "value", "kv_cache")), problem.common)
+        cases.append((unbuilt, lambda: impl.forward(*unbuilt_args, args["output"])))
     for broken, call in cases:
         before = cache.view(torch.uint8).clone()
         with full_validation(broken.needs_validation):

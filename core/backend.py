@@ -25,7 +25,6 @@ themselves, keep working: docs/contract.md says how to move them.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ import torch
 from pagedkv.capabilities import Capabilities
 from pagedkv.errors import ConfigError, UnsupportedError
 from pagedkv.graph import GraphBounds, GraphStaging, GraphSupport
+from pagedkv.intmath import is_int
 from pagedkv.layout import CacheChecker, CacheLayout, KVLayout, cache_checker
 from pagedkv.metadata import CommonAttentionMetadata
 from pagedkv.options import BackendOption, OptionValue
@@ -317,11 +317,13 @@ class AttentionImpl(ABC, Generic[M]):
         """Raise UnsupportedError unless ``metadata`` is what this backend's builder
         builds; return its token count (T)."""
         cls = self.metadata_class
-        if cls is not None and not isinstance(metadata, cls):
-            raise UnsupportedError(
-                f"metadata: expected the {cls.__name__} that this backend's "
-                f"builder.build() returns, got {type(metadata).__name__}"
-            )
+        if cls is not None:
+            if not isinstance(metadata, cls):
+                raise UnsupportedError(
+                    f"metadata: expected the {cls.__name__} that this backend's "
+                    f"builder.build() returns, got {type(metadata).__name__}"
+                )
+            return metadata.num_tokens  # type: ignore[attr-defined]
         num_tokens = getattr(metadata, "num_tokens", None)
         if not isinstance(num_tokens, int):
             raise UnsupportedError(
@@ -596,10 +598,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """A zero-filled cache. Zeros, not garbage: some kernels read the rows past a
         sequence's end inside its last block and need them finite."""
-        is_count = hasattr(num_blocks, "__index__") and not isinstance(num_blocks, bool)
-        if not is_count or operator.index(num_blocks) < 1:
+        if not (is_int(num_blocks) and num_blocks > 0):
             raise UnsupportedError(f"num_blocks: expected a positive int, got {num_blocks!r}")
-        num_blocks = operator.index(num_blocks)
         shape = self.get_kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
         )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedkv.errors import MetadataError
-from pagedkv.intmath import cdiv
+from pagedkv.intmath import cdiv, is_int
 from pagedkv.slots import compute_slot_mapping
 
 
@@ -78,7 +78,7 @@ class CommonAttentionMetadata:
         ``num_tokens`` pads T (extra slots are -1); ``max_blocks_per_req`` widens the
         block table (unused entries point at the null block 0).
         """
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not (is_int(block_size) and block_size > 0):
             raise MetadataError(f"block_size must be a positive int, got {block_size!r}")
         if not (len(seq_lens) == len(query_lens) == len(block_ids)):
             raise MetadataError(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from pagedkv.errors import SpecError
 from pagedkv.features import Feature
+from pagedkv.intmath import is_int
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,  # the cache stores the model dtype
@@ -57,7 +58,7 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # numpy ints and the like become Python ints
             value = getattr(self, name)
-            if _is_int(value) and type(value) is not int:
+            if is_int(value) and type(value) is not int:
                 object.__setattr__(self, name, int(value))
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self._default_head_size_v())
@@ -194,11 +195,11 @@ def _type_problems(spec: AttentionSpec) -> list[str]:
     for name in (*_POSITIVE_INT_FIELDS, *_OPTIONAL_POSITIVE_INT_FIELDS):
         value = getattr(spec, name)
         optional = name in _OPTIONAL_POSITIVE_INT_FIELDS
-        if (value is None and optional) or (_is_int(value) and value > 0):
+        if (value is None and optional) or (is_int(value) and value > 0):
             continue
         out.append(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
     rope = spec.qk_rope_head_dim
-    if not (rope is None or (_is_int(rope) and rope >= 0)):
+    if not (rope is None or (is_int(rope) and rope >= 0)):
         out.append(f"qk_rope_head_dim must be an int >= 0 or None, got {rope!r}")
     for name in (*_POSITIVE_FLOAT_FIELDS, *_OPTIONAL_POSITIVE_FLOAT_FIELDS):
         value = getattr(spec, name)
@@ -225,10 +226,6 @@ def _type_problems(spec: AttentionSpec) -> list[str]:
     if not isinstance(spec.kv_cache_dtype, str):
         out.append(f"kv_cache_dtype must be a str, got {spec.kv_cache_dtype!r}")
     return out
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
