@@ -122,12 +122,13 @@ for section in "$@"; do
       # many minutes in nvcc. They go where FlashInfer looks for ahead-of-time builds
       # (flashinfer/data/aot/<module>/<module>.so), which it loads without a build step;
       # the JIT cache would rebuild a .so whose object files are missing. Each carried
-      # .gpu-bundles/flashinfer-jit*/ folder holds one archive in parts
+      # .gpu-bundles/flashinfer-jit*/ folder holds one xz archive in parts (xz, not gzip:
+      # the modules take less than half the room, so they fit one carry with the bundle)
       aot=$($PY -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
       for folder in .gpu-bundles/flashinfer-jit*/; do
-        parts=("$folder"flashinfer-jit.tgz.part-*)
+        parts=("$folder"flashinfer-jit.txz.part-*)
         if [[ -n $aot && -f ${parts[0]} ]]; then
-          mkdir -p "$aot" && cat "${parts[@]}" | tar -xzf - -C "$aot"
+          mkdir -p "$aot" && cat "${parts[@]}" | tar -xJf - -C "$aot"
           log "restored the FlashInfer modules of $folder: $(ls "$aot" | wc -l) in $aot"
         fi
       done
@@ -391,8 +392,8 @@ for section in "$@"; do
           module=$(basename "$(dirname "$so")")
           mkdir -p "$staging/$module" && cp "$FLASHINFER_CACHE/$so" "$staging/$module/"
         done <<<"$list"
-        tar -czf - -C "$staging" . | split -b 15m - "$OUT/flashinfer-jit.tgz.part-" &&
-          log "saved $(ls "$staging" | wc -l) FlashInfer modules: $(cat "$OUT"/flashinfer-jit.tgz.part-* | wc -c) bytes in $(ls "$OUT"/flashinfer-jit.tgz.part-* | wc -l) parts"
+        tar -cf - -C "$staging" . | xz -9 -T0 | split -b 15m - "$OUT/flashinfer-jit.txz.part-" &&
+          log "saved $(ls "$staging" | wc -l) FlashInfer modules: $(cat "$OUT"/flashinfer-jit.txz.part-* | wc -c) bytes in $(ls "$OUT"/flashinfer-jit.txz.part-* | wc -l) parts"
       else
         log "jit-save: no FlashInfer module built under $FLASHINFER_CACHE"
       fi
@@ -400,9 +401,9 @@ for section in "$@"; do
     pack)  # at most 8 files come back from a call: every log and report in one archive
       # (files only are deleted, then the folders left empty: a folder that still holds
       # a summary must not stop the archive from coming back)
-      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude 'flashinfer-jit.tgz.part-*' --exclude summary.txt . &&
+      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude 'flashinfer-jit.txz.part-*' --exclude summary.txt . &&
         mv /tmp/results.tgz "$OUT/results.tgz.tmp" &&
-        { find . -mindepth 1 -type f -not -name 'flashinfer-jit.tgz.part-*' -not -name summary.txt \
+        { find . -mindepth 1 -type f -not -name 'flashinfer-jit.txz.part-*' -not -name summary.txt \
             -not -name results.tgz.tmp -delete; find . -mindepth 1 -type d -empty -delete; true; } &&
         mv results.tgz.tmp results.tgz)
       ;;
