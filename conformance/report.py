@@ -181,7 +181,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from the reports of runs that split one suite between them (``-k``
     groups, CI shards, processes that each compile their own kernels): per backend and
     scenario the cell of the run that ran it, a failure over a pass when two ran it;
-    checks likewise; counts recomputed. The runs must share format, level and device."""
+    checks likewise; counts recomputed. The runs must share format, level and device
+    (``cuda``, ``cpu``); the GPU models of the parts are all named."""
     if not reports:
         raise ReportMergeError("no reports to merge")
     first = reports[0]
@@ -194,6 +195,10 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
                 )
     merged = dict(first)
     merged["created"] = max(d["created"] for d in reports)
+    # parts run in different sessions may have had different GPUs of one device kind:
+    # the report names every one, not the first part's alone
+    names = sorted({str(d.get("device_name")) for d in reports})
+    merged["device_name"] = " and ".join(names)
     versions = {json.dumps(d["versions"], sort_keys=True) for d in reports}
     if len(versions) > 1:
         merged["versions"] = {"mixed": [json.loads(v) for v in sorted(versions)]}

@@ -81,6 +81,14 @@ def test_reports_of_another_level_or_device_are_refused(parts, tmp_path, capsys)
     assert "report 2: device is 'cuda', report 1 has 'cpu'" in capsys.readouterr().err
 
 
+def test_a_merge_of_parts_run_on_different_gpus_names_them_all(parts, tmp_path):
+    h100 = dict(parts[0], device="cuda", device_name="NVIDIA H100 80GB HBM3")
+    h200 = dict(parts[1], device="cuda", device_name="NVIDIA H200")
+    merged = merge_reports([h200, h100])
+    assert merged["device_name"] == "NVIDIA H100 80GB HBM3 and NVIDIA H200"
+    assert merge_reports([h200, dict(h200)])["device_name"] == "NVIDIA H200"
+
+
 def test_merge_names_an_unreadable_report_and_needs_a_report_path(tmp_path, capsys):
     missing = tmp_path / "missing.json"
     assert main(["conform", "--merge", str(missing), "--report", str(tmp_path / "x")]) == 2
