@@ -380,10 +380,37 @@ def _standard_scenarios(
     )
     out += [_mixed(base, f"head-size-{d}", {"head_size"}, head_size=d) for d in sizes]
     out += _feature_scenarios(base, backend, level)
-    out += _combinations(base, backend, device)
+    combinations = _combinations(base, backend, device)
+    out += combinations
     if level == "full":
+        out += _modifiers_at_another_head_size(base, backend, device, combinations, sizes)
         out.append(_many_blocks(base))
     return out
+
+
+def _modifiers_at_another_head_size(
+    base: Scenario,
+    backend: AttentionBackend,
+    device: torch.device | str,
+    combinations: list[Scenario],
+    sizes: list[int],
+) -> list[Scenario]:
+    """Each set of score modifiers the backend takes again at another head size, run
+    after it in the same process. A library that keeps its compiled variants under a
+    key without the head size hands such a layer the kernel built for the first one:
+    FlashInfer 0.7.2 names its attention-sink module by dtype and window only
+    (docs/flashinfer.md, thirty-seventh session), and each level alone runs sinks at
+    one head size."""
+    declared = [f for f in _COMBINABLE if f in backend.capabilities.features]
+    if not sizes or not declared:
+        return []
+    sets = combinations or [_modifiers(base, (declared[0],))]
+    d = sizes[0]
+    return [
+        _make(first, f"{first.name}-head-size-{d}", first.tags | {"head_size"}, head_size=d)
+        for first in sets
+        if not scenario_problems(backend, first, device)
+    ]
 
 
 def _feature_scenarios(base: Scenario, backend: AttentionBackend, level: str) -> list[Scenario]:
@@ -439,6 +466,15 @@ _COMBINABLE = {
 }
 
 
+def _modifiers(base: Scenario, subset: tuple[Feature, ...]) -> Scenario:
+    """``base``'s mixed batch with the score modifiers of ``subset`` together."""
+    changes: dict[str, object] = {}
+    for feature in subset:
+        changes.update(_COMBINABLE[feature][1](base.block_size))
+    name = "-".join(_COMBINABLE[f][0] for f in subset)
+    return _mixed(base, name, {str(f) for f in subset}, **changes)
+
+
 def _combinations(
     base: Scenario, backend: AttentionBackend, device: torch.device | str
 ) -> list[Scenario]:
@@ -457,25 +493,20 @@ def _combinations(
     ]
     out: list[Scenario] = []
 
-    def scenario(subset: tuple[Feature, ...]) -> Scenario:
-        changes: dict[str, object] = {}
-        for feature in subset:
-            changes.update(_COMBINABLE[feature][1](base.block_size))
-        name = "-".join(_COMBINABLE[f][0] for f in subset)
-        return _mixed(base, name, {str(f) for f in subset}, **changes)
-
     while uncovered:
         best, gain = None, set()
         for subset in candidates:
             covers = uncovered & set(itertools.combinations(subset, 2))
-            if len(covers) > len(gain) and not scenario_problems(backend, scenario(subset), device):
+            if len(covers) > len(gain) and not scenario_problems(
+                backend, _modifiers(base, subset), device
+            ):
                 best, gain = subset, covers
         if best is None:  # what is left, validate refuses: one n/a scenario per pair
             order = {f: i for i, f in enumerate(declared)}
             left = sorted(uncovered, key=lambda pair: (order[pair[0]], order[pair[1]]))
-            out += [scenario(pair) for pair in left]
+            out += [_modifiers(base, pair) for pair in left]
             break
-        out.append(scenario(best))
+        out.append(_modifiers(base, best))
         uncovered -= gain
     return out
 

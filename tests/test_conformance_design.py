@@ -3,6 +3,7 @@ capability honesty, copy_blocks and the report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pagedkv
@@ -95,8 +96,21 @@ def test_full_has_large_pools_long_contexts_and_few_kernel_variants(full):
     assert max(max(sc.seq_lens) for sc in full) >= 8192
     assert {64, 128, 256} <= {sc.head_size for sc in full}
     # one kernel variant per (dtype, head size, features): keep it near a dozen (the
-    # fifteenth: a bfloat16 layer over an fp8 cache, serving's usual pair)
-    assert len(jit_combinations(full)) <= 15
+    # fifteenth: a bfloat16 layer over an fp8 cache, serving's usual pair; the
+    # sixteenth: the score modifiers again at a second head size)
+    assert len(jit_combinations(full)) <= 16
+
+
+def test_full_runs_the_score_modifiers_again_at_another_head_size(full):
+    """A library that keys a compiled variant without its head size hands the second
+    layer the first one's kernel (FlashInfer 0.7.2's sink module): the full level runs
+    the modifiers' set at its base head size, then at another, in one process."""
+    names = [sc.name for sc in full]
+    first = next(sc for sc in full if sc.tags >= {"sinks", "sliding_window", "logits_soft_cap"})
+    again = next(sc for sc in full if sc.name == f"{first.name}-head-size-64")
+    assert first.head_size == 128 and again.head_size == 64
+    assert names.index(first.name) < names.index(again.name)
+    assert again.replace(head_size=128, name=first.name, seed=first.seed, tags=first.tags) == first
 
 
 class _Restricted(TorchBackend):
@@ -362,3 +376,40 @@ def test_plugin_scenarios_are_filtered_and_duplicates_reported():
     plan = design_scenarios(TORCH, "quick", "cpu", extra)
     assert plan.problems == ["two conformance scenarios are named 'decode'"]
     assert "plugin-mla" in {sc.name for sc, _ in plan.not_applicable}
+
+
+class _VariantCacheWithoutHeadSize(TorchBackend):
+    """Keeps each "compiled" score-modifier variant under a key without the head size,
+    as FlashInfer 0.7.2 names its sink module: a layer of a second head size runs with
+    the first one's compiled constant (here the softmax scale)."""
+
+    name = "variant_cache_without_head_size"
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.compiled: dict = {}  # one per backend object, as a library keeps one per process
+
+    def get_impl_cls(self):
+        compiled = self.compiled
+
+        class Impl(TorchAttentionImpl):
+            def __init__(self, spec, **options):
+                key = (spec.dtype, spec.use_sinks, spec.sliding_window is not None)
+                scale = compiled.setdefault(key, spec.scale) if spec.use_sinks else spec.scale
+                super().__init__(dataclasses.replace(spec, scale=scale), **options)
+
+        return Impl
+
+
+def test_a_variant_cache_without_the_head_size_fails_the_full_level():
+    backend = _VariantCacheWithoutHeadSize()
+    full = design_scenarios(backend, "full", "cpu").scenarios
+    results = {
+        sc.name: run_scenario(backend, sc, "cpu").passed
+        for sc in full
+        if {"sinks", "sliding_window"} <= sc.tags
+    }
+    assert results == {
+        "window-softcap-alibi-sinks": True,
+        "window-softcap-alibi-sinks-head-size-64": False,
+    }
