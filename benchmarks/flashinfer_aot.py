@@ -10,7 +10,9 @@ NAME is a module as FlashInfer names it (the names ``jit-save`` lists, or a GPU 
 ``batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_256_head_dim_vo_256_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False_sm90``.
 The suffix picks FlashInfer's generator: ``kv_stride_equal`` (FA2, the tensor-core
 decode and the FA2 prefill), ``paged_kv_stride_independent`` (FA2's other page
-strides), ``sm90`` (FA3). Needs flashinfer-python (the bundle's version) importable, a
+strides), ``sm90`` (FA3). The flashinfer backend's attention-sink modules
+(``pagedkv_attention_sink_...``, backends/flashinfer/sinks.py) are built from its own
+``SinkModule``, with FlashInfer's generator for custom variants. Needs flashinfer-python (the bundle's version) importable, a
 CUDA toolkit of the host's major version (``CUDA_HOME``) and, for FA3, cuRAND's headers
 (CUTLASS includes them: ``pip install --target DIR nvidia-curand``, then
 ``CPATH=DIR/nvidia/cu13/include``). The driver's libcuda is not needed: the link takes
@@ -50,6 +52,8 @@ def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
         _gen_batch_prefill_primary_module,
     )
 
+    if name.startswith("pagedkv_attention_sink_"):
+        return sink_jit_spec(name)
     m = NAME.fullmatch(name)
     if m is None:
         raise SystemExit(f"{name}: not a batch-prefill module name this tool builds")
@@ -70,6 +74,20 @@ def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
     return spec
 
 
+def sink_jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
+    """The spec of one of the flashinfer backend's attention-sink modules."""
+    import flashinfer
+    from flashinfer.jit.attention.modules import gen_customize_batch_prefill_module
+    from pagedkv.backends.flashinfer.sinks import SinkModule
+
+    module = SinkModule.parse(name)
+    args, kwargs = module.jit_args(flashinfer)
+    spec = gen_customize_batch_prefill_module(module.backend, *args, **kwargs)
+    if spec.name != name:
+        raise SystemExit(f"{name}: FlashInfer generates {spec.name} from it")
+    return spec
+
+
 def driver_stand_in(directory: Path) -> None:
     """An empty libcuda.so whose soname is the driver's, for the modules' ``-lcuda``."""
     subprocess.run(
@@ -83,18 +101,18 @@ def driver_stand_in(directory: Path) -> None:
 
 
 def pack(libraries: list[Path], out: Path) -> list[Path]:
-    """``<module>/<module>.so`` of each library, gzipped tar in parts of 15 MiB, named as
+    """``<module>/<module>.so`` of each library, an xz tar in parts of 15 MiB, named as
     ``jit-save`` names them (``setup`` unpacks every part it finds)."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile() as archive:
-        with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        with tarfile.open(fileobj=archive, mode="w:xz") as tar:
             for library in libraries:
                 tar.add(library, arcname=f"./{library.stem}/{library.name}")
         archive.seek(0)
         parts = []
         while chunk := archive.read(PART_BYTES):
             suffix = "a" + "abcdefghijklmnopqrstuvwxyz"[len(parts)]
-            parts.append(out / f"flashinfer-jit.tgz.part-{suffix}")
+            parts.append(out / f"flashinfer-jit.txz.part-{suffix}")
             parts[-1].write_bytes(chunk)
     return parts
 

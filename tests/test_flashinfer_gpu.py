@@ -3,13 +3,14 @@ pure-decode steps replayed on other steps (tests/graph_replay.py). Skipped witho
 
 FlashInfer compiles one kernel module per (kernel family, dtypes, head size, window
 on/off, soft cap on/off) on first use (~15-100 s each on the GPU host). The
-scenarios are grouped so the whole file needs eight modules; layouts, page sizes,
+scenarios are grouped so the whole file needs ten modules; layouts, page sizes,
 head counts, batch shapes and causality are runtime arguments and cost nothing:
 
   base     fa2 fp16 d64 (decode rows) + fa3 fp16 d64 (prefill rows, auto on SM90)
   features fa2 bf16 d128 | fa2 fp16 d64 window+softcap | fa2 fp16/e4m3 d64
            | fa2 fp16/e5m2 d64 | AttentionSink fa2 fp16 d64, without and with window
   graph    reuses base's fa2 fp16 d64 and the AttentionSink fa2 fp16 d64 variant
+  sinks    AttentionSink with the GPU's kernel family (fa3 on SM90), fp16 d64 and d128
 """
 
 from __future__ import annotations
@@ -81,3 +82,18 @@ def test_graph_replays_other_steps(layout, use_sinks):
     results = replay_errors(backend, steps, DECODE_BOUNDS)
     print("\n".join(f"{name}: max error {err:.3g}" for name, err, _ in results))
     assert all(ok for _, _, ok in results), results
+
+
+@pytest.mark.gpu
+def test_sink_layers_of_two_head_sizes_in_one_process():
+    """FlashInfer names its sink module without the head size and keeps one module per
+    name: through its own sink wrapper the second head size here ran the first one's
+    kernel (H100: NaN from blocks outside the page table, or wrong values everywhere;
+    docs/gpu-verification.md, thirty-seventh session). Each layer's module is named for
+    its shape (backends/flashinfer/sinks.py); both run in this process, head 64 first."""
+    backend = FlashInferBackend()
+    for head_size in (64, 128):
+        scenario = Scenario(f"sinks-d{head_size}", **MIXED, head_size=head_size, use_sinks=True)
+        result = run_scenario(backend, scenario, "cuda", backend_label=repr(backend))
+        print(result.report())
+        assert result.passed, result.report()

@@ -35,6 +35,7 @@ from pagedkv import (
 from pagedkv.backends.flashinfer import builder as fi_builder
 from pagedkv.backends.flashinfer import impl as fi_impl
 from pagedkv.backends.flashinfer.backend import FlashInferBackend
+from pagedkv.backends.flashinfer.sinks import SinkModule
 from pagedkv.conformance import TOLERANCES, Scenario, run_scenario
 from pagedkv.conformance.problem import build_problem, reference_output
 
@@ -284,6 +285,7 @@ class FakePrefill(_Wrapper):
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             page_size=page_size,
+            head_dim=head_dim_qk,
             window_left=window_left,
             logits_soft_cap=logits_soft_cap or 0.0,
             q_data_type=q_data_type,
@@ -326,51 +328,53 @@ class FakePrefill(_Wrapper):
 
 
 class FakeSink(FakePrefill):
-    kind = "sink"
+    """The prefill wrapper made with ``jit_args`` naming FlashInfer's AttentionSink
+    variant. FlashInfer keeps one compiled module per name (in the process, its JIT
+    cache and its ahead-of-time builds): ``modules`` holds what each name was first
+    compiled for, and a second wrapper asking the same name for another shape fails,
+    as the real one would hand it the first shape's module."""
 
-    def __init__(
-        self,
-        float_workspace_buffer,
-        kv_layout="NHD",
-        use_cuda_graph=False,
-        qo_indptr_buf=None,
-        paged_kv_indptr_buf=None,
-        paged_kv_indices_buf=None,
-        paged_kv_last_page_len_buf=None,
-        custom_mask_buf=None,
-        mask_indptr_buf=None,
-        backend="auto",
-        pos_encoding_mode="NONE",
-        use_fp16_qk_reduction=False,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-        head_dim_qk=128,
-        head_dim_vo=128,
-        window_left=-1,
-    ):
-        super().__init__(
-            float_workspace_buffer,
-            kv_layout,
-            use_cuda_graph=use_cuda_graph,
-            qo_indptr_buf=qo_indptr_buf,
-            paged_kv_indptr_buf=paged_kv_indptr_buf,
-            paged_kv_indices_buf=paged_kv_indices_buf,
-            paged_kv_last_page_len_buf=paged_kv_last_page_len_buf,
-            backend=backend,
+    kind = "sink"
+    modules: dict  # module name -> what it was compiled for (reset per test)
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", *, backend, jit_args,
+                 jit_kwargs, **buffers):  # fmt: skip
+        # FlashInfer's sink wrapper resolves "auto" before it names the module
+        assert backend in ("fa2", "fa3"), backend
+        name, q, kv, o, idx, dqk, dvo, tensors, tensor_types, scalars, _, variant, decl = jit_args
+        assert (variant, tensors, tensor_types, scalars) == (
+            "AttentionSink",
+            ["sink"],
+            ["float"],
+            ["sm_scale"],
         )
-        self.built = dict(q=q_data_type, kv=kv_data_type, d=head_dim_qk, window_left=window_left)
+        assert decl == f"decl-{backend}" and o == q and idx == torch.int32
+        swa = jit_kwargs["use_sliding_window"]
+        compiled = dict(q=q, kv=kv, d=dqk, dvo=dvo, swa=swa, backend=backend)
+        first = self.modules.setdefault(name, compiled)
+        assert first == compiled, f"module {name} compiled for {first}, asked for {compiled}"
+        super().__init__(float_workspace_buffer, kv_layout, backend=backend, **buffers)
+        self.built = compiled
 
     def plan(self, *args, **kwargs):
         super().plan(*args, **kwargs)
-        # the variant is compiled for one window and one dtype pair
-        assert self.plan_args["window_left"] == self.built["window_left"]
+        # the variant is compiled for one window, one dtype pair and one head size
+        assert (self.plan_args["window_left"] >= 0) == self.built["swa"]
         assert self.plan_args["q_data_type"] == self.built["q"]
         assert self.plan_args["kv_data_type"] == self.built["kv"]
+        assert self.plan_args["head_dim"] == self.built["d"]
 
     def _sinks(self, args):
         (sinks,) = args
         assert sinks.dtype == torch.float32 and sinks.shape == (self.plan_args["num_qo_heads"],)
         return sinks
+
+
+def _prefill_wrapper(*args, jit_args=None, jit_kwargs=None, **kwargs):
+    """FlashInfer's prefill wrapper: a custom variant where ``jit_args`` name one."""
+    if jit_args is None:
+        return FakePrefill(*args, **kwargs)
+    return FakeSink(*args, jit_args=jit_args, jit_kwargs=jit_kwargs, **kwargs)
 
 
 @pytest.fixture
@@ -379,9 +383,16 @@ def calls(monkeypatch):
     monkeypatch.setattr(_Wrapper, "calls", log, raising=False)
     fake = SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=FakeDecode,
-        BatchPrefillWithPagedKVCacheWrapper=FakePrefill,
-        BatchAttentionWithAttentionSinkWrapper=FakeSink,
+        BatchPrefillWithPagedKVCacheWrapper=_prefill_wrapper,
+        # FlashInfer on a GPU below sm90a picks fa2
+        utils=SimpleNamespace(determine_attention_backend=lambda *a, **k: "fa2"),
+        jit=SimpleNamespace(
+            attention=SimpleNamespace(
+                variants=SimpleNamespace(attention_sink_decl={"fa2": "decl-fa2", "fa3": "decl-fa3"})
+            )
+        ),
     )
+    monkeypatch.setattr(FakeSink, "modules", {}, raising=False)
     monkeypatch.setattr(fi_builder, "load_flashinfer", lambda: fake)
     monkeypatch.setattr(fi_builder, "WORKSPACE_BYTES", 1024)  # no 128 MiB on the test host
     return log
@@ -429,6 +440,38 @@ def test_plumbing_matches_reference(calls, scenario, layout):
     else:
         assert ("decode" in kinds) == (1 in query_lens)
         assert ("prefill" in kinds) == any(q > 1 for q in query_lens)
+
+
+def test_sink_layers_of_other_shapes_get_their_own_modules(calls):
+    """FlashInfer keeps one module per name (the fake fails a name asked for two shapes),
+    so each sink layer's module is named for everything it is compiled for."""
+    backend = CPUFlashInfer()
+    for scenario in (
+        Scenario("sinks-d64", **MIXED, use_sinks=True),
+        Scenario("sinks-d128", **MIXED, use_sinks=True, head_size=128),
+        Scenario("sinks-d128-bf16", **MIXED, use_sinks=True, head_size=128, dtype=torch.bfloat16),
+        Scenario("sinks-d128-window", **MIXED, use_sinks=True, head_size=128, sliding_window=9),
+    ):
+        result = run_scenario(backend, scenario, "cpu", backend_label=repr(backend))
+        assert result.passed, result.report()
+    assert len(FakeSink.modules) == 4
+
+
+def test_sink_module_names_name_every_compiled_parameter():
+    base = SinkModule(torch.float16, torch.float16, 64, 64, False, "fa3")
+    others = [
+        dataclasses.replace(base, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+        dataclasses.replace(base, kv_dtype=torch.bfloat16),
+        dataclasses.replace(base, head_dim_qk=128),
+        dataclasses.replace(base, head_dim_vo=128),
+        dataclasses.replace(base, use_sliding_window=True),
+        dataclasses.replace(base, backend="fa2"),
+    ]
+    names = [m.name for m in [base, *others]]
+    assert len(set(names)) == len(names)
+    assert [SinkModule.parse(n) for n in names] == [base, *others]
+    with pytest.raises(ValueError, match="not a pagedkv attention-sink module name"):
+        SinkModule.parse("batch_prefill_attention_sink_f16_swa_False_fa3")
 
 
 def test_plan_arguments(calls):
@@ -571,7 +614,8 @@ def test_graph_steps_match_the_reference(calls, scenario, layout):
     md = _graph_run(scenario, layout)
     (launch,) = md.launches
     kind = "sink" if scenario.use_sinks else "decode"
-    init = {"use_cuda_graph": True} | ({"backend": "auto"} if scenario.use_sinks else {})
+    # the sink variant's kernel family is resolved before its module is named
+    init = {"use_cuda_graph": True} | ({"backend": "fa2"} if scenario.use_sinks else {})
     assert [c for c in calls if c[1] == "init"] == [(kind, "init", init)]
     assert launch.pass_sinks == scenario.use_sinks and launch.planned.wrapper.graph
 

@@ -33,8 +33,9 @@ class FlashInferBackend(AttentionBackend):
     runs ``plan()``; per layer ``attend`` only calls ``run()``: single-token rows go
     through ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores), multi-token rows
     through ``BatchPrefillWithPagedKVCacheWrapper``. Layers with sinks run every row
-    through ``BatchAttentionWithAttentionSinkWrapper``, because the plain wrappers'
-    fa2/fa3 kernels (everything below SM100) drop ``run(sinks=...)`` without a word.
+    through FlashInfer's AttentionSink variant (``sinks.py``: built under a name that
+    names its head sizes), because the plain wrappers' fa2/fa3 kernels (everything
+    below SM100) drop ``run(sinks=...)`` without a word.
     After ``reserve_cuda_graph`` pure-decode steps plan on fixed-buffer wrappers.
     """
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
 from pagedkv.backends.flashinfer.metadata import PagedKVCSR, RowGroup, decode_rows_csr, split_batch
+from pagedkv.backends.flashinfer.sinks import sink_module, sink_wrapper
 from pagedkv.errors import UnsupportedError
 from pagedkv.graph import GraphBounds
 from pagedkv.metadata import CommonAttentionMetadata
@@ -265,14 +266,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _new_sink_wrapper(self, **graph_buffers: Any) -> Any:
         s = self.spec
-        return self._fi.BatchAttentionWithAttentionSinkWrapper(
-            self.workspace,
-            self.kv_layout,
-            backend=self.prefill_backend,
-            q_data_type=s.dtype,
-            kv_data_type=s.cache_dtype,
-            head_dim_qk=s.head_size,
-            head_dim_vo=s.head_size_v,
-            window_left=self._window_left(),
-            **graph_buffers,
-        )
+        module = sink_module(
+            self._fi, self.device, s.dtype, s.cache_dtype, s.head_size, s.head_size_v,
+            s.sliding_window is not None, self.prefill_backend,
+        )  # fmt: skip
+        return sink_wrapper(self._fi, self.workspace, self.kv_layout, module, **graph_buffers)
