@@ -407,9 +407,9 @@ def _modifiers_at_another_head_size(
     sets = combinations or [_modifiers(base, (declared[0],))]
     d = sizes[0]
     return [
-        _make(first, f"{first.name}-head-size-{d}", first.tags | {"head_size"}, head_size=d)
-        for first in sets
-        if not scenario_problems(backend, first, device)
+        _make(mods, f"{mods.name}-head-size-{d}", mods.tags | {"head_size"}, head_size=d)
+        for mods in sets
+        if not scenario_problems(backend, mods, device)
     ]
 
 
