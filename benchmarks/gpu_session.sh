@@ -222,9 +222,9 @@ for section in "$@"; do
       # finish (on a fresh machine FlashInfer's JIT builds take most of a call)
       groups=(
         "not (bfloat16 or head-size or window or soft-cap or sinks or non-causal or fp8)"
-        "bfloat16 or head-size-64 or soft-cap"
+        "(bfloat16 or head-size-64 or soft-cap) and not fp8"  # fp8 over bf16: group 2
         "head-size-256 or non-causal or fp8"
-        "sinks or window"
+        "(sinks or window) and not head-size"  # the modifiers at head size 64: group 1
       )
       picked=()
       for i in ${FLASHINFER_GROUPS:-0 1 2 3}; do picked+=("${groups[$i]}"); done
