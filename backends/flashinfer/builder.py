@@ -265,9 +265,5 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         return self._sink
 
     def _new_sink_wrapper(self, **graph_buffers: Any) -> Any:
-        s = self.spec
-        module = sink_module(
-            self._fi, self.device, s.dtype, s.cache_dtype, s.head_size, s.head_size_v,
-            s.sliding_window is not None, self.prefill_backend,
-        )  # fmt: skip
+        module = sink_module(self._fi, self.device, self.spec, self.prefill_backend)
         return sink_wrapper(self._fi, self.workspace, self.kv_layout, module, **graph_buffers)

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from pagedkv.spec import AttentionSpec
 
 # FlashInfer's short dtype names (flashinfer.jit.utils.filename_safe_dtype_map), for
 # the dtypes a sink layer can have (model-dtype caches only: see backend.validate_extra)
@@ -95,23 +96,19 @@ class SinkModule:
 
 
 def sink_module(
-    fi: ModuleType,
-    device: torch.device,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    head_dim_qk: int,
-    head_dim_vo: int,
-    use_sliding_window: bool,
-    backend: str,
+    fi: ModuleType, device: torch.device, spec: AttentionSpec, backend: str
 ) -> SinkModule:
-    """The module a sink layer runs; ``backend="auto"`` picks the kernel family as
-    FlashInfer's sink wrapper does (fa3 where the GPU and the shape allow it)."""
+    """The module a sink layer of ``spec`` runs; ``backend="auto"`` picks the kernel
+    family as FlashInfer's sink wrapper does (fa3 where the GPU and the shape allow it)."""
     if backend == "auto":
         backend = fi.utils.determine_attention_backend(
-            device, 0, False, False, q_dtype, kv_dtype,
-            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            device, 0, False, False, spec.dtype, spec.cache_dtype,
+            head_dim_qk=spec.head_size, head_dim_vo=spec.head_size_v,
         )  # fmt: skip
-    return SinkModule(q_dtype, kv_dtype, head_dim_qk, head_dim_vo, use_sliding_window, backend)
+    return SinkModule(
+        spec.dtype, spec.cache_dtype, spec.head_size, spec.head_size_v,
+        spec.sliding_window is not None, backend,
+    )  # fmt: skip
 
 
 def sink_wrapper(

@@ -71,9 +71,9 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         go to their slots, concatenated in the cache; negative slots are skipped.
         use_triton: as ``pagedkv.toolkit.kv_write.write_kv_by_slot`` (None: the Triton
         kernel for CUDA tensors)."""
-        self.check_metadata(metadata)
+        num_tokens = self.check_metadata(metadata)
         self.check_cache(kv_cache, kv_cache.device, metadata)
-        self._write_parts(kv_c, k_pe, kv_cache, metadata, use_triton)
+        self._write_parts(kv_c, k_pe, kv_cache, metadata, num_tokens, use_triton)
 
     def latent_write_operands(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor
@@ -107,9 +107,10 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
         k_pe: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: MLAMetadata,
+        num_tokens: int,  # the metadata's, from check_metadata
         use_triton: bool | None,
     ) -> None:
-        s, num_tokens = self.spec, self.check_metadata(metadata)
+        s = self.spec
         expect_tensor("kv_c", kv_c, (num_tokens, s.kv_lora_rank), s.dtype)
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3:
             expect_tensor("k_pe", k_pe, (num_tokens, 1, s.qk_rope_head_dim), s.dtype)
@@ -165,7 +166,7 @@ class MLAAttentionImpl(AttentionImpl[MLAMetadata]):
             raise UnsupportedError("kv_c and k_pe must be given together (or both None)")
         self.check_cache(kv_cache, q_nope.device, metadata)
         if kv_c is not None:
-            self._write_parts(kv_c, k_pe, kv_cache, metadata, None)  # type: ignore[arg-type]
+            self._write_parts(kv_c, k_pe, kv_cache, metadata, num_tokens, None)  # type: ignore[arg-type]
         out = self.new_output(q_nope, output)
         self._attend(q_nope, q_pe, kv_cache, metadata, out)
         return out
