@@ -13,7 +13,7 @@ with each output's max |diff| against the portable plan's: the data to fit the r
 Gluon rate to (the fourteenth session's run:
 docs/results/bench-h200-fourteenth-gluon-beside-decodes.md). A shape is
 ``decodes:median context:chunk context:chunk queries[:head size]``
-(``pagedkv.bench.workloads.mixed``, seed 7). Needs an sm_90 GPU.
+(``pagedkv.bench.workloads.mixed_shape``). Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pagedkv.backends.triton.builder import TritonMetadataBuilder
 from pagedkv.bench import select_workloads
 from pagedkv.bench.problem import build_problem, fill_cache
 from pagedkv.bench.timing import host_floor_us, steady_us, time_us
-from pagedkv.bench.workloads import Layer, Workload, mixed
+from pagedkv.bench.workloads import Workload, mixed_shape
 from pagedkv.selection import select_backend
 
 DEFAULT_SHAPES = (
@@ -37,17 +37,6 @@ MODES = {
     "rule": TritonMetadataBuilder._gluon_beside_decodes,
     "gluon": lambda self, step, first, end: True,
 }
-
-
-def shape_workload(text: str) -> Workload:
-    fields = [int(x) for x in text.split(":")]
-    decodes, median, context, queries = fields[:4]
-    head_size = fields[4] if len(fields) > 4 else 128
-    layer = (
-        Layer() if head_size == 128 else Layer(head_size=head_size, num_heads=16, num_kv_heads=4)
-    )
-    name = f"{decodes}d+chunk{queries}@{context}" + ("" if head_size == 128 else f"-d{head_size}")
-    return mixed(name, decodes, median, ((context, queries),), layer, seed=7)
 
 
 def time_modes(w: Workload, device: torch.device) -> str:
@@ -88,7 +77,7 @@ def main() -> None:
     print("each cell: mode[the chunk's kernel] eager (L2 flushed) / back to back us, max |diff|")
     rows = [r for r in args.matrix_rows.split(",") if r]
     workloads = (select_workloads("standard", rows) if rows else []) + [
-        shape_workload(s) for s in args.shapes.split(",") if s
+        mixed_shape(s) for s in args.shapes.split(",") if s
     ]
     rule = TritonMetadataBuilder._gluon_beside_decodes
     try:

@@ -508,6 +508,34 @@ def test_a_grid_that_leaves_sms_idle_may_split_shorter():
     assert ranged.keys_per_split >= 128
 
 
+def test_a_grid_beside_another_launch_counts_only_the_free_slots_as_one_wave():
+    """``free_share``: another launch holds the rest of the slots when this grid starts.
+    The work still spreads over every slot, but a grid of more programs than the free
+    slots pays the tail of several waves, so ranges that just fill the whole GPU lose to
+    finer ones (the decodes of a two-part step beside its Gluon chunk)."""
+    policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
+    # pagedkv bench's D 256 mixed step: its 48 decodes x 4 KV heads, 3 programs an SM
+    # of 132 (the H100's compiled m16-n32 kernel)
+    keys = np.asarray([851, 3998, 1058, 339, 3005, 377, 1448, 2036, 1079, 508, 228, 536,
+                       1122, 1023, 926, 7548, 679, 694, 2194, 2700, 3864, 4021, 142, 1970,
+                       355, 430, 1903, 1231, 142, 174, 329, 522, 56, 452, 5591, 528, 2057,
+                       703, 190, 339, 685, 4709, 2671, 539, 603, 5353, 882, 225],
+                      dtype=np.float64)  # fmt: skip
+    base = dict(granule=32, overhead_keys=64, copies=4, key_ranges=True, listed=True)
+    # 1024-key ranges: 380 programs, one wave of the 396 slots
+    alone = policy.choose_by_makespan(keys, 396, **base)
+    assert alone.fixed_ranges and alone.keys_per_split == 1024
+    # a fifth of the SMs held at the start: 317 free slots, so 1024-key ranges take two
+    # waves too, and 512-key ones balance them better (H100: 146 us eager against 173)
+    beside = policy.choose_by_makespan(keys, 396, free_share=0.8, **base)
+    assert beside.fixed_ranges and beside.keys_per_split == 512
+    # a grid within the free slots is planned as it was
+    few = keys[:12]
+    assert policy.choose_by_makespan(few, 396, free_share=0.8, **base) == (
+        policy.choose_by_makespan(few, 396, **base)
+    )
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_key_ranges_of_powers_of_two_tie_to_the_fewest_splits(seed):
     """Among fixed key ranges of powers of two the longest within ``RANGE_TIE`` of the

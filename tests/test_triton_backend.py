@@ -1370,9 +1370,13 @@ def test_a_mixed_steps_chunk_takes_the_gluon_kernel_beside_its_decodes():
     requests = StepShape.of(md.common)
     assert chunk.gluon is not None and not chunk.plan.split
     assert plan_tiles(builder.layer, requests.part(chunk.first, chunk.end), 132).split
+    # (on the slots the chunk's Gluon programs leave free: _free_beside_gluon)
+    free = builder._free_beside_gluon(requests, decodes.first, decodes.end, lambda *_: True)
+    assert 0 < free < 1
     assert decodes.plan == plan_tiles(
-        builder.layer, requests.part(decodes.first, decodes.end), 132, range_multiples=(1.0,)
-    )
+        builder.layer, requests.part(decodes.first, decodes.end), 132, range_multiples=(1.0,),
+        free_share=free,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -1397,17 +1401,81 @@ def test_the_gluon_beside_decodes_rule_on_the_h200s_measured_steps(
     """The rule's picks on the steps the fourteenth session timed every plan of (132 SMs):
     a change to its rates moves these, and should come with new measurements."""
     from pagedkv.backends.triton.configs import StepShape
-    from pagedkv.bench.workloads import Layer, mixed
+    from pagedkv.bench.workloads import mixed_shape
 
     # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
-    layer = Layer(dtype="fp16")
-    if head_size == 256:
-        layer = Layer(head_size=256, num_heads=16, num_kv_heads=4, dtype="fp16")
-    w = mixed("step", decodes, median, ((context, queries),), layer, seed=7)
-    builder = pagedkv.get_backend("triton").make_builder(layer.spec(), DEVICE)
+    w = mixed_shape(f"{decodes}:{median}:{context}:{queries}:{head_size}", dtype="fp16")
+    builder = pagedkv.get_backend("triton").make_builder(w.layer.spec(), DEVICE)
     builder.num_sms = 132
     step = StepShape(np.array(w.query_lens), np.array(w.seq_lens))
     assert builder._gluon_beside_decodes(step, decodes, decodes + 1) is gluon
+
+
+# programs an SM holds of the decodes' tile (unsplit / even shares / key ranges) as the
+# H100's compiled kernels gave them (thirty-eighth session)
+_H100_FITS = {64: (3, 4, 4), 128: (4, 4, 4), 256: (3, 3, 3)}
+
+
+@pytest.mark.parametrize(
+    "row, every_sm_keys, beside_keys",
+    [
+        # the H100 A/B of the thirty-eighth session (eager us, whole GPU -> free share;
+        # docs/results/beside-gluon-ab-h100-thirtyeighth.log): a matrix row, then
+        # `decodes:median:context:queries[:head size]` (``bench.workloads.mixed_shape``)
+        ("d256-mixed", 1024, 512),  # 173.3 -> 146.3
+        ("32:2048:4096:256:256", 1024, 512),  # 224.2 -> 196.8
+        ("40:1536:3072:256:256", 1024, 512),  # 187.7 -> 163.3
+        ("24:4096:8192:128", 2048, 512),  # 252.1 -> 205.1
+        ("28:3072:4096:128", 2048, 512),  # 208.1 -> 182.7
+        ("12:6144:12288:256", 1024, 512),  # 240.5 -> 219.0
+        ("8:4096:16384:256", 512, 256),  # 244.3 -> 236.1
+        ("48:2048:4096:256:64", 1024, 512),  # 95.6 -> 86.0
+        # unchanged: the plan for the whole GPU (the probe's 512-key or 1024-key
+        # alternatives were slower on the first three rows)
+        ("mixed-16d+1chunk", 512, 512),
+        ("d64-b32-mixed", 1024, 1024),
+        ("mixed-96d+2chunks", 1024, 1024),
+        ("48:1024:2048:512", 512, 512),
+        ("24:2048:2048:128:256", 256, 256),
+    ],
+)
+def test_decodes_beside_a_gluon_chunk_count_the_slots_it_leaves_them(
+    row, every_sm_keys, beside_keys
+):
+    """A two-part step's decodes, beside a chunk on the Gluon kernel, plan their key
+    ranges on the share of the slots the chunk's programs leave free at their launch
+    (``_free_beside_gluon``): on the steps the H100 timed both plans of, the plan with
+    it, and the plan it replaced (every SM free), with the H100's compiled fits."""
+    from pagedkv.bench.workloads import MATRICES, mixed_shape
+    from pagedkv.toolkit.launch import KernelFit
+
+    matrix = {w.name: w for rows in MATRICES.values() for w in rows}
+    w = matrix[row] if row in matrix else mixed_shape(row)
+    # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
+    spec = dataclasses.replace(w.layer, dtype="fp16").spec()
+    per_sm = dict(zip(LaunchForm, _H100_FITS[spec.head_size], strict=True))
+    seq_lens, query_lens = list(w.seq_lens), list(w.query_lens)
+    blocks, first = [], 1
+    for n in seq_lens:
+        blocks.append(list(range(first, first + -(-n // spec.block_size))))
+        first += len(blocks[-1])
+    common = CommonAttentionMetadata.from_requests(
+        seq_lens, query_lens, blocks, spec.block_size, DEVICE
+    )
+
+    def decode_keys(every_sm: bool) -> int:
+        builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
+        builder.gluon_problem, builder.num_sms = None, 132  # as on an H100
+        builder.fits = lambda tile, form: KernelFit(0, 0, 0, per_sm[form])
+        if every_sm:
+            builder._free_beside_gluon = lambda *args: 1.0
+        md = builder.build(common)
+        decodes, chunk = md.parts
+        assert chunk.gluon is not None and decodes.plan.tiles_per_split
+        return decodes.plan.tiles_per_split * decodes.plan.tile.tile_n
+
+    assert decode_keys(every_sm=True) == every_sm_keys
+    assert decode_keys(every_sm=False) == beside_keys
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ from pagedkv.backends.triton.gluon_plan import (
     GluonPrefillStep,
     gluon_prefill_problem,
     gluon_program_us,
+    gluon_programs,
     gluon_step_problem,
     plan_gluon_prefill,
 )
@@ -247,9 +248,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # portable plan only the fallback where TMA cannot read the cache): the split
             # rule took a seventh of a mixed step's build
             by_rule = not (forced or keys_per_split or self.batch_invariant or tile is not None)
+            gluon_rule = by_rule and self.gluon_problem is None
+
+            def beside_gluon(first: int, end: int) -> float:
+                return self._free_beside_gluon(step, first, end, gluon_regardless)
+
             parts = plan_step(
                 self.layer, step, self.num_sms, fit=self.fits,
-                unsplit=gluon_regardless if by_rule and self.gluon_problem is None else None,
+                unsplit=gluon_regardless if gluon_rule else None,
+                free_share=beside_gluon if gluon_rule else None,
                 **options,
             )  # fmt: skip
         else:
@@ -505,6 +512,43 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # (the Gluon kernel takes no sliding window: its last block reads every key)
         alone = gluon_program_us(self.layer.head_size, longer.max_seq_len)
         return alone <= portable_us(self.layer, decodes) + portable_us(self.layer, longer)
+
+    def _free_beside_gluon(
+        self,
+        step: StepShape,
+        first: int,
+        end: int,
+        gluon_regardless: Callable[[int, int, bool], bool],
+    ) -> float:
+        """The share of the GPU's slots free when a two-part step's part ``[first, end)``
+        launches: where it holds the decodes and the other part runs beside it on the
+        Gluon kernel (``_gluon_beside_decodes``), each Gluon program holds a whole SM
+        for the share of the decodes' time it runs (both by the model); the Gluon
+        launch goes first, on a stream of higher priority, so its programs take their
+        SMs first. Else 1. A Gluon grid of at least the GPU's SMs leaves the decodes
+        none until its programs end, and then the whole GPU: 1 too.
+
+        The decodes' split rule counts a grid of more programs than those free slots as
+        several waves (``makespan_splits``). H100, thirty-eighth session (docs/triton.md):
+        D 256 mixed's 48 decodes took 1024-key ranges, 380 programs in 396 slots as if
+        the 32 Gluon programs were not there, and ran 172 us eager; 512-key ranges, the
+        choice with the free share, 146."""
+        n = len(step.query_lens)
+        other = (end, n) if first == 0 else (0, first)
+        decodes = step.part(first, end)
+        if (
+            not self.overlap_parts
+            or decodes.max_query_len > SPLIT_POLICY.max_query_len
+            or not gluon_regardless(*other, False)
+        ):
+            return 1.0
+        longer = step.part(*other)
+        programs = gluon_programs(self.spec, longer.query_lens)
+        decodes_us = portable_us(self.layer, decodes)
+        if programs >= self.num_sms or decodes_us <= 0:
+            return 1.0
+        held = min(1.0, gluon_program_us(self.layer.head_size, longer.max_seq_len) / decodes_us)
+        return 1.0 - programs * held / self.num_sms
 
     def _part_launches(
         self,

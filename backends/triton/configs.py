@@ -672,6 +672,7 @@ def plan_step(
     fit: FitSource | None = None,
     listing: bool = True,
     unsplit: Callable[[int, int, bool], bool] | None = None,
+    free_share: Callable[[int, int], float] | None = None,
 ) -> tuple[StepPart, ...]:
     """A step's launches: one per part, a part being a run of decode-like requests (at
     most ``SPLIT_POLICY.max_query_len`` queries) or of longer ones. A step made of one
@@ -685,7 +686,9 @@ def plan_step(
     ``unsplit(first, end, whole)``: whether requests ``[first, end)`` (the whole step or
     one of two parts) are planned unsplit, without the split rule: a part that another
     kernel runs whatever the rule would split (the builder's Gluon prefill), whose plan
-    here is only its fallback."""
+    here is only its fallback. ``free_share(first, end)``: the share of the GPU's slots
+    free when one of two parts launches, the other holding the rest for a while
+    (``makespan_splits``; default: all of them)."""
     n = len(step.query_lens)
     parts = [(0, n)]
     if not (bounded or batch_invariant or tile is not None or forced_splits or forced_keys):
@@ -710,6 +713,7 @@ def plan_step(
                 fit=fit,
                 listing=listing,
                 range_multiples=multiples,
+                free_share=1.0 if whole or free_share is None else free_share(first, end),
             ),
         )
         for first, end in parts
@@ -729,12 +733,14 @@ def plan_tiles(
     fit: FitSource | None = None,
     listing: bool = True,
     range_multiples: tuple[float, ...] = EAGER_RANGE_MULTIPLES,
+    free_share: float = 1.0,
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
     of that many keys; ``bounded``: a CUDA-graph plan, whose scratch is sized once,
     splits decode-like steps only; ``range_multiples``: the multiples of powers of two
-    an eager step's key ranges compare, ``makespan_splits``')."""
+    an eager step's key ranges compare, ``free_share`` the share of the slots free at
+    its launch: ``makespan_splits``')."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
@@ -773,6 +779,7 @@ def plan_tiles(
             layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
             key_ranges=not bounded, listing=listing,
             range_multiples=range_multiples,  # key_ranges: eager steps only
+            free_share=free_share,
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
@@ -943,6 +950,7 @@ def makespan_splits(
     range_multiples: tuple[float, ...] = (1.0,),
     floor_step: StepShape | None = None,
     sparse_below: int | None = None,
+    free_share: float = 1.0,
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
@@ -958,7 +966,10 @@ def makespan_splits(
     compared, powers of two of the tile times each of these. ``floor_step``: the step
     whose unsplit grid decides the fewest keys a split keeps (``SplitPolicy.key_floor``;
     default: this one); ``sparse_below``: the grid size (programs of all KV heads) below
-    which it keeps the sparse floor (default: the SM count)."""
+    which it keeps the sparse floor (default: the SM count); ``free_share``: the share of
+    the slots free when the launch starts, another launch (a two-part step's other
+    part, beside it) holding the rest for a while: a grid of more programs than those
+    pays the tail of several waves (``SplitPolicy.choose_by_makespan``)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
     limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
     if step.max_query_len <= SPLIT_POLICY.max_query_len:
@@ -989,6 +1000,7 @@ def makespan_splits(
         min_keys_per_split=SPLIT_POLICY.key_floor(
             len(floor_keys) * layer.num_kv_heads, sparse_below or num_sms
         ),
+        free_share=free_share,
     )
 
 

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from pagedkv.backends.triton.parts import StagedPart, part_views
 from pagedkv.errors import UnsupportedError
@@ -155,6 +156,14 @@ def gluon_program_us(head_size: int, keys: int) -> float:
     """The model's time for one program (``BLOCK_M`` rows over ``keys`` keys) on one SM."""
     flops = BLOCK_M * keys * 4 * head_size  # QK^T and PV
     return flops / (GLUON_SM_TFLOPS * 1e6)
+
+
+def gluon_programs(spec: AttentionSpec, query_lens: np.ndarray) -> int:
+    """The programs that hold an SM in a launch over requests of ``query_lens`` queries:
+    one per ``BLOCK_M`` rows of a request (whole GQA groups) and KV head (the grid's
+    other query blocks, its upper bound, exit at once)."""
+    block_q = BLOCK_M // spec.num_queries_per_kv
+    return int((-(-query_lens // block_q)).sum()) * spec.num_kv_heads
 
 
 def tiles_for(head_size: int) -> tuple[int, int]:

@@ -129,6 +129,21 @@ def mixed(
     return Workload(name, "mixed", tuple(seq), tuple(qry), layer)
 
 
+def mixed_shape(text: str, dtype: str = "bf16") -> Workload:
+    """A mixed step from ``decodes:median context:chunk context:chunk queries[:head
+    size]`` (head size 128: 32 query heads over 8 KV heads; others 16 over 4; seed 7):
+    the shapes benchmarks/mixed_chunk_sweep.py and the probes of a mixed step's plan
+    take."""
+    fields = [int(x) for x in text.split(":")]
+    decodes, median, context, queries = fields[:4]
+    head_size = fields[4] if len(fields) > 4 else 128
+    layer = Layer(dtype=dtype)
+    if head_size != 128:
+        layer = Layer(head_size=head_size, num_heads=16, num_kv_heads=4, dtype=dtype)
+    name = f"{decodes}d+chunk{queries}@{context}" + ("" if head_size == 128 else f"-d{head_size}")
+    return mixed(name, decodes, median, ((context, queries),), layer, seed=7)
+
+
 BASE = Layer()
 
 

@@ -142,6 +142,7 @@ class SplitPolicy:
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
         min_keys_per_split: int | None = None,
+        free_share: float = 1.0,
     ) -> SplitChoice:
         """Splits that minimise the estimated time of a grid whose programs stream
         ``keys[i]`` keys each (one entry per program before splitting: query tiles x
@@ -188,7 +189,11 @@ class SplitPolicy:
         programs for entries of 8 copies each holds 12.5 an entry's worth). ``merge_split_only``: the kernel writes the
         output of a sequence its ranges do not cut directly, so fixed ranges pay the
         reduction only for the programs they cut (``merge_keys_per_split`` being every
-        program's share of it, once per range)."""
+        program's share of it, once per range). ``free_share``: the share of the slots
+        free when the grid launches, another launch holding the rest for a while (a
+        two-part step's other part beside it): the work still spreads over every slot,
+        but a grid of more programs than the free slots does not start at once, so it
+        pays the tail of several waves."""
         keys = np.asarray(keys, dtype=np.float64)
         limit = min(max_splits or self.max_splits, self.max_splits)
         even_limit = limit  # even shares split every entry alike
@@ -199,14 +204,14 @@ class SplitPolicy:
         costs = (granule, overhead_keys, merge_keys_per_split, copies)
         steps = np.ceil(keys / granule)  # [P] inner steps per unsplit program
         even, even_time = self._even_shares(
-            keys, steps, slots, split_slots, even_limit, floor, *costs
+            keys, steps, slots, split_slots, even_limit, floor, *costs, free_share
         )
         if key_ranges and limit > 1:
             range_slots = range_slots or split_slots
             merge = _merge_on(range_slots, merge_keys_per_split, split_slots)
             ranged, ranged_time = self._key_ranges(
                 steps, range_slots, limit, floor, granule, overhead_keys, merge, copies,
-                listed, max_programs, range_multiples, merge_split_only,
+                listed, max_programs, range_multiples, merge_split_only, free_share,
             )  # fmt: skip
             if ranged_time < even_time * (1 - MAKESPAN_TIE):
                 return ranged
@@ -224,6 +229,7 @@ class SplitPolicy:
         overhead_keys: float,
         merge_keys_per_split: float,
         copies: int,
+        free_share: float = 1.0,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s even shares of at least ``floor`` keys and their
         estimated time (in keys); ``steps``: each program's keys in ``granule`` steps."""
@@ -238,6 +244,7 @@ class SplitPolicy:
             _max(per_program, axis=1, initial=0.0),
             len(keys) * candidates * copies,
             grid_slots,
+            free_share,
         )
         estimate += merges * merge_keys_per_split
         best = _min(estimate)
@@ -258,6 +265,7 @@ class SplitPolicy:
         max_programs: float | None = None,
         range_multiples: tuple[float, ...] = (1.0,),
         merge_split_only: bool = False,
+        free_share: float = 1.0,
     ) -> tuple[SplitChoice, float]:
         """``choose_by_makespan``'s fixed key range of at least ``floor`` keys (on a split
         grid of ``slots``) over programs of ``steps`` inner steps (of ``granule`` keys)
@@ -273,7 +281,7 @@ class SplitPolicy:
             return SplitChoice(1, int(most * granule)), float("inf")
         estimate, splits, programs = _range_estimates(
             steps, np.array(ranges, dtype=np.float64), slots, granule, overhead_keys,
-            merge_keys_per_split, copies, listed, merge_split_only,
+            merge_keys_per_split, copies, listed, merge_split_only, free_share,
         )  # fmt: skip
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
@@ -392,11 +400,12 @@ def _range_estimates(
     copies: int,
     listed: bool,
     merge_split_only: bool = False,
+    free_share: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The makespan estimate of fixed key ranges of ``per_range`` inner steps each (one
     entry per range size) over programs of ``steps`` inner steps, with each size's split
-    count (the longest program's ranges) and its programs (``merge_split_only``: see
-    ``SplitPolicy.choose_by_makespan``)."""
+    count (the longest program's ranges) and its programs (``merge_split_only``,
+    ``free_share``: see ``SplitPolicy.choose_by_makespan``)."""
     most = float(_max(steps, initial=0.0))
     pieces = np.ceil(steps[None, :] / per_range[:, None])  # [R, P] programs with keys
     splits = np.ceil(most / per_range)  # [R] the grid's split axis
@@ -410,7 +419,7 @@ def _range_estimates(
     longest = np.minimum(per_range, most) * granule + overhead_keys
     # not _grid_time's waves: every sequence's last range is shorter than the others, so
     # programs end at scattered times and a wave boundary falls anywhere in the last one
-    tail = np.where(programs <= slots, 0.0, RANGE_TAIL_SHARE * longest)
+    tail = np.where(programs <= slots * free_share, 0.0, RANGE_TAIL_SHARE * longest)
     estimate = np.maximum(work / max(1, slots) + tail, longest)
     if merge_split_only:  # each cut program's ranges, at its share of a split's merge
         cut = np.where(pieces > 1, pieces, 0.0).sum(axis=1)
@@ -453,19 +462,25 @@ def _key_range_candidates(
 
 
 def _grid_time(
-    work: np.ndarray, longest: np.ndarray, programs: np.ndarray, slots: np.ndarray
+    work: np.ndarray,
+    longest: np.ndarray,
+    programs: np.ndarray,
+    slots: np.ndarray,
+    free_share: float = 1.0,
 ) -> np.ndarray:
     """The makespan estimate of grids (one per entry) whose programs stream ``work``
     keys between them, the longest ``longest``: list scheduling's bound (the work over
     the slots, or the longest program), plus a tail when the grid takes several waves:
     the larger of the idle share of a thin last wave times the longest program, and
-    ``RAGGED_TAIL_SHARE`` times the longest program's excess over the mean."""
+    ``RAGGED_TAIL_SHARE`` times the longest program's excess over the mean. A grid of
+    more programs than the slots free at its launch (``free_share`` of them) has that
+    tail too."""
     programs = np.asarray(programs, dtype=np.float64)
     mean = work / np.maximum(programs, 1)
     last_wave = programs % slots
     thin = np.where(last_wave == 0, 0.0, 1.0 - last_wave / slots) * longest
     ragged = RAGGED_TAIL_SHARE * (longest - mean)
-    tail = np.where(programs <= slots, 0.0, np.maximum(thin, ragged))
+    tail = np.where(programs <= slots * free_share, 0.0, np.maximum(thin, ragged))
     return np.maximum(work / slots, longest) + tail
 
 
