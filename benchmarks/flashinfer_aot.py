@@ -12,7 +12,9 @@ The suffix picks FlashInfer's generator: ``kv_stride_equal`` (FA2, the tensor-co
 decode and the FA2 prefill), ``paged_kv_stride_independent`` (FA2's other page
 strides), ``sm90`` (FA3). The flashinfer backend's attention-sink modules
 (``pagedkv_attention_sink_...``, backends/flashinfer/sinks.py) are built from its own
-``SinkModule``, with FlashInfer's generator for custom variants. Needs
+``SinkModule``, with FlashInfer's generator for custom variants. FlashInfer's MLA
+modules (``batch_mla_attention_...``, ``_sm90`` for FA3; ``pagedkv bench --matrix mla``'s
+baseline) from its MLA generator. Needs
 flashinfer-python (the bundle's version) importable, a CUDA toolkit of the host's major
 version (``CUDA_HOME``) and, for FA3, cuRAND's headers (CUTLASS includes them: ``pip
 install --target DIR nvidia-curand``, then ``CPATH=DIR/nvidia/cu13/include``). The
@@ -41,6 +43,11 @@ NAME = re.compile(
     r"_posenc_(?P<posenc>\d)_use_swa_(?P<swa>True|False)_use_logits_cap_(?P<cap>True|False)"
     r"_f16qk_(?P<f16qk>True|False)_(?P<kind>kv_stride_equal|paged_kv_stride_independent|sm90)"
 )
+MLA_NAME = re.compile(
+    r"batch_mla_attention_dtype_q_(?P<q>\w+?)_dtype_kv_(?P<kv>\w+?)_dtype_o_(?P<o>\w+?)"
+    r"_dtype_idx_(?P<idx>\w+?)_head_dim_ckv_(?P<ckv>\d+)_head_dim_kpe_(?P<kpe>\d+)"
+    r"_profiler_(?P<profiler>True|False)_planabi2(?P<sm90>_sm90)?"
+)
 PART_BYTES = 15 << 20  # a file that comes back from the GPU host holds at most 16 MiB
 
 
@@ -55,6 +62,8 @@ def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
 
     if name.startswith("pagedkv_attention_sink_"):
         return sink_jit_spec(name)
+    if name.startswith("batch_mla_attention_"):
+        return mla_jit_spec(name)
     m = NAME.fullmatch(name)
     if m is None:
         raise SystemExit(f"{name}: not a batch-prefill module name this tool builds")
@@ -71,6 +80,25 @@ def jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
     }[m["kind"]]
     spec = generate()
     if spec.name != name:  # FlashInfer's naming moved: the module would not be found
+        raise SystemExit(f"{name}: FlashInfer generates {spec.name} from it")
+    return spec
+
+
+def mla_jit_spec(name: str):  # -> flashinfer.jit.core.JitSpec
+    """The spec of one of FlashInfer's MLA modules, from its own generator."""
+    from flashinfer.jit import gen_batch_mla_module
+    from flashinfer.jit.utils import filename_safe_dtype_map
+
+    m = MLA_NAME.fullmatch(name)
+    if m is None:
+        raise SystemExit(f"{name}: not an MLA module name this tool builds")
+    dtype_of = {short: dtype for dtype, short in filename_safe_dtype_map.items()}
+    spec = gen_batch_mla_module(
+        "fa3" if m["sm90"] else "fa2",
+        *(dtype_of[m[k]] for k in ("q", "kv", "o", "idx")),
+        int(m["ckv"]), int(m["kpe"]), m["profiler"] == "True",
+    )  # fmt: skip
+    if spec.name != name:
         raise SystemExit(f"{name}: FlashInfer generates {spec.name} from it")
     return spec
 

@@ -239,9 +239,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 gluon_plans[(first, end)] = self._gluon_candidate(common, step, first, end, whole)
             return gluon_plans[(first, end)]
 
+        # whether each part takes it whatever its splits, by range (asked by its own plan
+        # and by the other part's: ``_free_beside_gluon``)
+        regardless: dict[tuple[int, int], bool] = {}
+
         def gluon_regardless(first: int, end: int, whole: bool) -> bool:
-            gluon = gluon_for(first, end, whole)
-            return gluon is not None and self._gluon_unsplit(gluon, step, first, end, whole)
+            if (first, end) not in regardless:
+                gluon = gluon_for(first, end, whole)
+                regardless[(first, end)] = gluon is not None and self._gluon_unsplit(
+                    gluon, step, first, end, whole
+                )
+            return regardless[(first, end)]
 
         if bounds is None:
             # a part the Gluon kernel takes whatever its splits is planned unsplit (its
