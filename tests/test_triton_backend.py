@@ -1077,10 +1077,11 @@ def test_reserved_mixed_steps_cap_only_a_list_of_work_items():
 
 def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
     """Under bounds that allow chunk-length queries a step runs as two captured launches:
-    its run of decodes (with their own splits) and its run of longer requests, each
-    copied into its launch's persistent buffers. Whatever the composition (decodes
-    first or last, only one kind, kinds interleaved: all to the longer launch), every
-    step keeps the grids and buffers of the first and attends as an eager step does."""
+    its run of decodes and its run of longer requests, each copied into its launch's
+    persistent buffers and each with the splits the step chooses within its plan's
+    width. Whatever the composition (decodes first or last, only one kind, kinds
+    interleaved: all to the longer launch), every step keeps the grids and buffers of
+    the first and attends as an eager step does."""
     bounds = GraphBounds(max_num_reqs=5, max_num_tokens=48, max_blocks_per_req=160,
                          max_query_len=24)  # fmt: skip
     builder, eager_builder, impl, cache = _reserved(bounds, 200)
@@ -1103,7 +1104,7 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
         ((24, 400), (24, 16), (0, 0), (0, 5)),  # longer requests only
         ((900, 50, 33, 700), (1, 20, 1, 12), (0, 0), (0, 5)),  # interleaved: one launch
     )
-    first, seen = None, None
+    first, seen, choices = None, None, set()
     for seq_lens, query_lens, decode_run, longer_run in steps:
         common = CommonAttentionMetadata.from_requests(
             list(seq_lens), list(query_lens), pages(*seq_lens), 16, DEVICE
@@ -1113,14 +1114,20 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
         assert (decodes.role, longer.role) == ("decodes", "longer requests")
         assert (decodes.first, decodes.end) == decode_run
         assert (longer.first, longer.end) == longer_run
-        assert decodes.plan.dynamic_splits and not longer.plan.split
+        assert decodes.plan.dynamic_splits and longer.plan.dynamic_splits
         assert decodes.attention.kwargs["RANGE_LIST"]  # one program per work item
-        num_splits = decodes.attention.kwargs["NumSplits"]
-        # the decodes' partials start at their first token
-        assert num_splits.tolist()[3] == common.query_start_loc_cpu[decode_run[0]]
+        assert not longer.attention.kwargs["RANGE_LIST"]  # chunks: query blocks x splits
+        # ... in even shares, so their kernel keeps no range check (its registers)
+        assert not longer.attention.kwargs["TRIM_SPLITS"] and not longer.choice.fixed_ranges
+        for part, run in ((decodes, decode_run), (longer, longer_run)):
+            # each part's split count and its partials' first row: its first token
+            written = part.attention.kwargs["NumSplits"].tolist()
+            assert written[0] == part.choice.num_splits <= part.plan.num_splits
+            assert written[3] == md.common.query_start_loc_cpu[run[0]]
+            choices.add((part.role, part.choice.num_splits))
         kwargs = [p.attention.kwargs for p in md.parts]
         buffers = [k[name] for k in kwargs for name in ("QueryStartLoc", "SeqLens", "BlockTable")]
-        buffers += [num_splits, kwargs[0]["PartAcc"]]
+        buffers += [k[name] for k in kwargs for name in ("NumSplits", "PartAcc")]
         now = ([p.plan for p in md.parts], [p.attention.grid for p in md.parts],
                [b.data_ptr() for b in buffers])  # fmt: skip
         assert seen is None or now == seen
@@ -1132,6 +1139,8 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
         out = impl.forward(q, None, None, cache, first)
         want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
         assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3), (query_lens, md.describe())
+    # the longer launch split its long contexts and kept short ones whole
+    assert {n for role, n in choices if role == "longer requests"} > {1}, choices
 
 
 # -- bad metadata is refused or honoured, never read wrongly ---------------------------------

@@ -88,6 +88,9 @@ class PartLaunches:
     # requests"), whose metadata each step copies into persistent buffers; None: a
     # launch over the step's own requests [first, end)
     role: str | None = None
+    # this step's splits where ``plan`` lets each step choose them (a CUDA-graph plan:
+    # the kernels read them from the device, the grid holds the plan's most)
+    choice: SplitChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,12 @@ class TritonMetadata(BackendMetadata):
 
     layer: LayerShape  # the layer shape the plan was made for
     parts: tuple[PartLaunches, ...]
-    # this step's splits under a CUDA-graph plan that chooses them per step (the
-    # kernels read them from the device; ``parts`` hold the most the plan allows)
-    step_choice: SplitChoice | None = None
+
+    @property
+    def step_choice(self) -> SplitChoice | None:
+        """This step's splits under a CUDA-graph plan that chooses them per step: its
+        first such part's (a mixed reservation's decodes; ``parts`` hold each)."""
+        return next((p.choice for p in self.parts if p.choice is not None), None)
 
     @property
     def step_splits(self) -> int | None:
@@ -129,8 +135,8 @@ class TritonMetadata(BackendMetadata):
         def kernel(p: PartLaunches) -> str:
             if p.gluon is not None:
                 return f"Gluon sm_90 prefill, {p.gluon.kwargs['TILE_N']}-key tiles"
-            if p.plan.dynamic_splits and self.step_choice is not None:
-                choice = self.step_choice
+            if p.plan.dynamic_splits and p.choice is not None:
+                choice = p.choice
                 ranges = f" of {choice.keys_per_split} keys" if choice.fixed_ranges else ""
                 return (
                     f"{p.plan.tile}, {choice.num_splits}{ranges} of at most "
@@ -284,7 +290,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
             # written where the captured kernels read them: the count, and the tiles and
             # keys of a fixed range (0: even shares); listed, within the captured grid
-            if self.listing:
+            if self.listing and one_block_per_request(step, parts[0].plan.block_q):
                 max_items = graph_items(layer, parts[0].plan, common.num_reqs, self.num_sms)
             chosen = step_splits(
                 layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing,
@@ -320,100 +326,133 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     ),
                     range_list=range_list,
                     by_request=one_block_per_request(planned, part.plan.block_q),
+                    choice=chosen if part.plan.dynamic_splits else None,
                 )
             )
-        return TritonMetadata(common, layer, tuple(launches), chosen)
+        return TritonMetadata(common, layer, tuple(launches))
 
     def _graph_parts_metadata(
         self, common: CommonAttentionMetadata, bounds: GraphBounds
     ) -> TritonMetadata:
         """A step under CUDA-graph bounds that allow chunk-length queries: two launches,
         planned from the bounds alone. The requests of one query (decodes) get a decode
-        plan whose splits each step chooses (as a pure-decode reservation's), the longer
-        ones the bounds' plan (the Gluon kernel where it runs): one launch over both
-        would give the decodes a prefill's tiles and no splits. Each step copies its two
-        runs of requests into the launches' persistent buffers (``decode_and_longer_runs``:
-        a step whose kinds interleave runs whole in the second launch).
+        plan, the longer ones the bounds' plan (the Gluon kernel where it runs): one
+        launch over both would give the decodes a prefill's tiles. Each launch's splits
+        are chosen by each step within its plan's width (``graph_split_limit``), so a
+        chunk with a long context splits in the graph as in an eager step (unsplit, the
+        fp8 16:2048:8192:256 step took 401 us in its graph against 213 eager on the
+        H100; thirty-eighth session). Each step copies its two runs of requests into the
+        launches' persistent buffers (``decode_and_longer_runs``: a step whose kinds
+        interleave runs whole in the second launch).
 
         Speculative requests (2 to 8 queries) join the longer launch here: the decodes'
         partials are sized for one query per request of the bounds (a CUDA-graph plan's
         scratch is fixed), and room for eight would cut the splits the decodes may take
         eightfold within the same memory."""
-        layer, num_sms, fit = self.layer, self.num_sms, self.fits
+        layer, width = self.layer, common.block_table.shape[1]
         step = StepShape.of(common)  # this step's own requests
         decode_run, longer_run = decode_and_longer_runs(step.query_lens, 1)
-        max_reqs, width = bounds.max_num_reqs, common.block_table.shape[1]
+        max_reqs = bounds.max_num_reqs
         decode_tokens = min(bounds.max_num_tokens, max_reqs)
         decode_shape = StepShape(
             np.ones(decode_tokens, np.int64), np.full(decode_tokens, common.max_seq_len, np.int64)
         )
+        # the longer requests' Gluon launch, where it runs (it does not split: its
+        # portable plan is then only the fallback, planned unsplit)
+        gluon_runs = self.gluon_problem is None and (
+            gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None
+        )
         decode_plan = self._graph_plan(plan_tiles, decode_shape)
-        longer_plan = self._graph_plan(plan_tiles, StepShape.of_bounds(common))
-        # (a bounded plan splits decode-like steps only: the longer launch writes the output)
-        assert not longer_plan.split, longer_plan
+        longer_plan = self._graph_plan(
+            plan_tiles, StepShape.of_bounds(common), forced_splits=1 if gluon_runs else 0
+        )
         parts, scratch = self._staged_parts, self.scratch
         decodes = StagedPart.kept(parts, scratch, "decodes", max_reqs, decode_tokens, width)
         longer = StagedPart.kept(parts, scratch, "longer", max_reqs, bounds.max_num_tokens, width)
         decodes.stage(common, decode_run)
         longer.stage(common, longer_run)
-        run = step.part(*decode_run)
-        unused = self._unused
-        partials, num_splits, chosen = (unused, unused, unused), unused, None
-        max_items = None  # unsplit: one item per request; unlisted: no list to cap
-        if decode_plan.split:
-            if self.listing:
-                max_items = graph_items(layer, decode_plan, max_reqs, num_sms)
-            # the decodes' partials from row 0: NumSplits[3] holds their first token
-            shape = (decode_tokens, self.spec.num_heads, decode_plan.num_splits)
-            partials = (
-                self.scratch("partial_acc", (*shape, layer.head_pad), torch.float32),
-                self.scratch("partial_max", shape, torch.float32),
-                self.scratch("partial_sum", shape, torch.float32),
-            )
-            chosen = (
-                step_splits(layer, run, decode_plan, num_sms, fit, self.listing, max_items)
-                if run.max_query_len > 0
-                else SplitChoice(1, decode_plan.tile.tile_n)
-            )
-            num_splits = self._write_step_splits(
-                chosen, decode_plan, run, int(common.query_start_loc_cpu[decode_run[0]])
-            )
+        decode_requests = step.part(*decode_run)
         # the decodes' launch lists its work items (its runs' requests first, then the
-        # padding ones, which have none)
+        # padding ones, which have none), at most the captured grid's
+        max_items = None  # unsplit: one item per request; unlisted: no list to cap
+        if self.listing and decode_plan.split:
+            max_items = graph_items(layer, decode_plan, max_reqs, self.num_sms)
+        decode_partials, decode_num_splits, decode_choice = self._staged_splits(
+            "decodes", common, decode_plan, decode_requests, decode_run, decode_tokens, max_items
+        )
         range_list = None
         if self.listing:
             items = np.zeros(max_reqs, np.int64)
             if decode_plan.split:
-                items[: len(run.query_lens)] = work_items(run, chosen)
+                items[: len(decode_requests.query_lens)] = work_items(
+                    decode_requests, decode_choice
+                )
             else:
-                items[: len(run.query_lens)] = run.query_lens > 0
+                items[: len(decode_requests.query_lens)] = decode_requests.query_lens > 0
             range_list = self._range_list("decodes_range_starts", items, decode_plan, max_items)
-        gluon = None
-        if self.gluon_problem is None and (
-            gluon_step_problem(common, self.spec, 1, max_query_len=bounds.max_query_len) is None
-        ):
-            gluon = plan_gluon_prefill(self.spec, common, staged=longer)
+        longer_partials, longer_num_splits, longer_choice = self._staged_splits(
+            "longer", common, longer_plan, step.part(*longer_run), longer_run,
+            bounds.max_num_tokens, None,
+        )  # fmt: skip
+        gluon = plan_gluon_prefill(self.spec, common, staged=longer) if gluon_runs else None
         launches = (
             self._part_launches(
                 decodes.views(decode_plan.block_q),
                 StepPart(*decode_run, decode_plan),
-                partials,
-                num_splits,
+                decode_partials,
+                decode_num_splits,
                 None,
                 role="decodes",
                 range_list=range_list,
                 by_request=True,
+                choice=decode_choice,
             ),
             self._part_launches(
                 longer.views(longer_plan.block_q),
                 StepPart(*longer_run, longer_plan),
-                (unused, unused, unused),
-                unused,
+                longer_partials,
+                longer_num_splits,
                 gluon,
                 role="longer requests",
+                choice=longer_choice,
             ),
         )
-        return TritonMetadata(common, layer, launches, chosen)
+        return TritonMetadata(common, layer, launches)
+
+    def _staged_splits(
+        self,
+        name: str,
+        common: CommonAttentionMetadata,
+        plan: TilePlan,
+        requests: StepShape,
+        run: tuple[int, int],
+        max_tokens: int,
+        max_items: int | None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, SplitChoice | None]:
+        """A mixed reservation's launch ``name`` over ``run``'s ``requests`` this step:
+        its partials (``max_tokens`` rows from the run's first token: NumSplits[3]), the
+        device buffer of the step's splits and the splits (``step_splits``, listed within
+        ``max_items``), or the unused tensors and None for an unsplit plan."""
+        unused = self._unused
+        if not plan.split:
+            return (unused, unused, unused), unused, None
+        shape = (max_tokens, self.spec.num_heads, plan.num_splits)
+        partials = (
+            self.scratch(f"{name}_partial_acc", (*shape, self.layer.head_pad), torch.float32),
+            self.scratch(f"{name}_partial_max", shape, torch.float32),
+            self.scratch(f"{name}_partial_sum", shape, torch.float32),
+        )
+        listing = self.listing and one_block_per_request(requests, plan.block_q)
+        chosen = (
+            step_splits(self.layer, requests, plan, self.num_sms, self.fits, listing, max_items)
+            if requests.max_query_len > 0
+            else SplitChoice(1, plan.tile.tile_n)
+        )
+        first_token = int(common.query_start_loc_cpu[run[0]])
+        num_splits = self._write_step_splits(
+            chosen, plan, requests, first_token, buffer=f"{name}_num_splits"
+        )
+        return partials, num_splits, chosen
 
     def _graph_plan(self, planner: Callable[..., T], shape: StepShape, **options: Hashable) -> T:
         """``planner``'s CUDA-graph plan (``plan_step``, ``plan_tiles``) of ``shape``, the
@@ -445,7 +484,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return buffer, max(1, int(starts[-1]))
 
     def _write_step_splits(
-        self, chosen: SplitChoice, plan: TilePlan, step: StepShape, partial_first: int = 0
+        self,
+        chosen: SplitChoice,
+        plan: TilePlan,
+        step: StepShape,
+        partial_first: int = 0,
+        buffer: str = "num_splits",
     ) -> torch.Tensor:
         """The device buffer the captured kernels of a dynamic-split plan read: this
         step's split count, the tiles and keys of a fixed range (0: even shares), the
@@ -458,7 +502,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         per_request = 0
         if not chosen.fixed_ranges and live[: int(live.sum())].all():
             per_request = chosen.num_splits
-        num_splits = self.scratch("num_splits", (5,), torch.int32)
+        num_splits = self.scratch(buffer, (5,), torch.int32)
         values = [chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request]
         num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
         return num_splits
@@ -568,12 +612,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         role: str | None = None,
         range_list: tuple[torch.Tensor, int] | None = None,
         by_request: bool = False,
+        choice: SplitChoice | None = None,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (``views``)
         and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
         work items of a range-list launch (``_range_list``); ``by_request``: every
         request's queries fit one query block (an unlisted launch then takes one program
-        per request)."""
+        per request); ``choice``: the step's splits under a dynamic-split plan."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -640,6 +685,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
         reduce = None
         if plan.split:
+            # rows merge fewer splits than the most: per step (a CUDA-graph plan), per
+            # request (fixed key ranges)
+            narrow = plan.trim_splits or plan.dynamic_splits
             split_pad = next_power_of_2(plan.num_splits)
             block_h, reduce_warps = reduce_tile(
                 split_pad, layer.head_pad, s.num_heads, plan.ordered_reduction
@@ -668,14 +716,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     HEAD_PAD=layer.head_pad,
                     SPLIT_PAD=split_pad,
                     BLOCK_H=block_h,
-                    # rows merge fewer splits than the most: per step (a CUDA-graph
-                    # plan), per request (fixed key ranges)
-                    MIN_WIDTH=min(split_pad, REDUCE_MIN_WIDTH) if plan.trim_splits else split_pad,
+                    MIN_WIDTH=min(split_pad, REDUCE_MIN_WIDTH) if narrow else split_pad,
                     # (one width: the tile of the grid's BLOCK_H heads)
                     REDUCE_VALUES=(
-                        REDUCE_TILE_VALUES
-                        if plan.trim_splits
-                        else block_h * split_pad * layer.head_pad
+                        REDUCE_TILE_VALUES if narrow else block_h * split_pad * layer.head_pad
                     ),
                     ORDERED=plan.ordered_reduction,
                     DYNAMIC_SPLITS=plan.dynamic_splits,
@@ -687,4 +731,4 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     **({"launch_pdl": True} if self.programmatic else {}),
                 ),
             )
-        return PartLaunches(part.first, part.end, plan, attention, reduce, gluon, role)
+        return PartLaunches(part.first, part.end, plan, attention, reduce, gluon, role, choice)

@@ -317,6 +317,8 @@ class TilePlan:
     # a CUDA-graph plan whose split count each step chooses (``step_splits``), at most
     # ``num_splits`` (the grid's split axis and the partials' width)
     dynamic_splits: bool = False
+    # ... and whose steps may take fixed key ranges, not only even shares
+    step_ranges: bool = True
 
     @property
     def trim_splits(self) -> bool:
@@ -324,7 +326,8 @@ class TilePlan:
         whose order-preserving reduction reads every split): a range past a query
         block's keys is skipped, and each row merges only the ranges below its keys.
         A CUDA-graph plan's steps may take ranges (``step_splits``): the kernels check."""
-        return (self.tiles_per_split > 0 or self.dynamic_splits) and not self.ordered_reduction
+        ranges = self.tiles_per_split > 0 or (self.dynamic_splits and self.step_ranges)
+        return ranges and not self.ordered_reduction
 
 
 # -- rows ------------------------------------------------------------------------------
@@ -737,8 +740,8 @@ def plan_tiles(
 ) -> TilePlan:
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
-    of that many keys; ``bounded``: a CUDA-graph plan, whose scratch is sized once,
-    splits decode-like steps only; ``range_multiples``: the multiples of powers of two
+    of that many keys; ``bounded``: a CUDA-graph plan, whose splits each step chooses
+    within a width its scratch is sized for once (``graph_split_limit``); ``range_multiples``: the multiples of powers of two
     an eager step's key ranges compare, ``free_share`` the share of the slots free at
     its launch: ``makespan_splits``')."""
     if batch_invariant:
@@ -769,17 +772,23 @@ def plan_tiles(
             0, step.max_query_len, step.max_seq_len, num_sms, forced=forced_splits,
             granule=tile.tile_n,
         )  # fmt: skip
-    elif bounded and step.max_query_len <= SPLIT_POLICY.max_query_len:
-        # decode-like steps within the bounds: each step chooses its own splits, up to
-        # what the most-splitting of them takes (one request of the longest sequence)
+    elif bounded:
+        # a CUDA-graph plan: each step within the bounds chooses its own splits, up to
+        # what the most-splitting of them takes (``graph_split_limit``)
         most = graph_split_limit(layer, step, tile, block_q, num_sms, fit)
-        return TilePlan(tile, block_q, most, most > 1, 0, False, dynamic_splits=most > 1)
+        # chunk-length queries take even shares: the kernel's check of a fixed range
+        # against each query block's keys costs registers, which their tiles have none
+        # to spare (H100, fp8 D 128, m64-n32: 169 registers with it, two programs an SM,
+        # 166 without, three; the fp8 16:2048:8192:256 step's graph took 282 us with it,
+        # 201 without; thirty-ninth session)
+        ranges = step.max_query_len <= SPLIT_POLICY.max_query_len
+        return TilePlan(
+            tile, block_q, most, most > 1, 0, False, dynamic_splits=most > 1, step_ranges=ranges
+        )
     else:
         choice = makespan_splits(
-            layer, step, tile, block_q, num_sms, bounded=bounded, fit=fit,
-            key_ranges=not bounded, listing=listing,
-            range_multiples=range_multiples,  # key_ranges: eager steps only
-            free_share=free_share,
+            layer, step, tile, block_q, num_sms, fit=fit, key_ranges=True, listing=listing,
+            range_multiples=range_multiples, free_share=free_share,
         )  # fmt: skip
     tiles_per_split = choice.keys_per_split // tile.tile_n if choice.fixed_ranges else 0
     return TilePlan(tile, block_q, choice.num_splits, choice.num_splits > 1, tiles_per_split, False)
@@ -824,10 +833,14 @@ def graph_split_limit(
     num_sms: int,
     fit: FitSource | None = None,
 ) -> int:
-    """The most splits any decode-like step within CUDA-graph bounds (``bounds``: the
-    bounds as a step, ``StepShape.of_bounds``) may choose: those of one request of the
-    longest sequence, at the split floor of the bounds' fullest step, as far as the
-    partials of the bounds' every token stay within ``SPLIT_PARTIAL_BYTES``. A
+    """The most splits any step within CUDA-graph bounds (``bounds``: the bounds as a
+    step, ``StepShape.of_bounds``) may choose: those of one request of the longest
+    query and sequence (a decode-like reservation's: one decode), at the split floor
+    of the bounds' fullest step, as far as the partials of the bounds' every token stay
+    within ``SPLIT_PARTIAL_BYTES`` and the merge's widest tile. A reservation of chunks
+    (the longer launch of a mixed reservation) thus splits a long context's chunk as
+    an eager step of the same chunk would, its steps of shorter chunks at most that
+    width; bounds of many tokens leave it fewer splits, or none. A
     reservation whose fullest step fills the SMs keeps the narrower grid of that step's
     longer splits: every step replays the grid's width (H200, twenty-sixth session:
     256 x 1024 in its own graph took 265.0 us at 8 splits wide, 262.9 at 2); its steps of
@@ -837,7 +850,7 @@ def graph_split_limit(
         layer, one, tile, block_q, num_sms, fit=fit, floor_step=bounds
     ).num_splits
     split_bytes = partial_bytes_per_split(layer, int(bounds.query_lens.sum()))
-    return min(most, splits_within(SPLIT_PARTIAL_BYTES, split_bytes))
+    return min(most, splits_within(SPLIT_PARTIAL_BYTES, split_bytes), SPLIT_POLICY.max_splits)
 
 
 def step_splits(
@@ -862,7 +875,7 @@ def step_splits(
     slots = slots_per_sm(layer, plan.tile, form, fit) * num_sms
     return makespan_splits(
         layer, step, plan.tile, plan.block_q, num_sms, max_splits=plan.num_splits, fit=fit,
-        key_ranges=True, listing=listing, max_items=max_items, sparse_below=slots,
+        key_ranges=plan.step_ranges, listing=listing, max_items=max_items, sparse_below=slots,
     )  # fmt: skip
 
 
@@ -941,7 +954,6 @@ def makespan_splits(
     block_q: int,
     num_sms: int,
     *,
-    bounded: bool = False,
     max_splits: int | None = None,
     fit: FitSource | None = None,
     key_ranges: bool = False,
@@ -954,10 +966,8 @@ def makespan_splits(
 ) -> SplitChoice:
     """Splits by the toolkit's makespan rule, over the programs this tile gives and the
     programs an SM holds of it, launched split and unsplit (``slots_per_sm``).
-    Decode-like steps may split up to the policy's maximum (or ``max_splits``), longer
-    queries (chunked prefills) too except under a CUDA-graph reservation (its scratch is
-    sized for decode-like steps), either as far as their partial results stay within
-    ``SPLIT_PARTIAL_BYTES``. ``key_ranges``: a split may also be a fixed key range
+    A step may split up to the policy's maximum (or ``max_splits``), as far as its
+    partial results stay within ``SPLIT_PARTIAL_BYTES``. ``key_ranges``: a split may also be a fixed key range
     of every sequence (the toolkit rule's ``key_ranges``), which balances a ragged batch
     (not with a sliding window: a range is absolute, the grid would have to cover the
     keys before the window). ``listing``: a step of one query block per request then
@@ -971,11 +981,7 @@ def makespan_splits(
     part, beside it) holding the rest for a while: a grid of more programs than those
     pays the tail of several waves (``SplitPolicy.choose_by_makespan``)."""
     split_bytes = partial_bytes_per_split(layer, int(step.query_lens.sum()))
-    limit = splits_within(SPLIT_PARTIAL_BYTES, split_bytes)
-    if step.max_query_len <= SPLIT_POLICY.max_query_len:
-        limit = min(limit, SPLIT_POLICY.max_splits)
-    elif bounded:
-        limit = 1
+    limit = min(splits_within(SPLIT_PARTIAL_BYTES, split_bytes), SPLIT_POLICY.max_splits)
     if max_splits is not None:
         limit = min(limit, max_splits)
     key_ranges = key_ranges and layer.window is None
