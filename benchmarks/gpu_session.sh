@@ -88,13 +88,15 @@ conform_groups() {  # conform_groups BACKEND LEVEL EXPR...: one process per -k e
   fi
 }
 
-memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]
+memcheck() {  # memcheck BACKEND TOOL [pytest -k expression]: the quick suite and the
+  # graph captures and replays (a reservation's persistent buffers, its staged parts)
   local backend=$1 tool=$2 select=${3:-}
   # cuda-python probes driver entry points at import (cuGetProcAddress): API errors that
   # are not the kernels' are left out of the report
   run "$tool-$backend${OUT_TAG:+-$OUT_TAG}" compute-sanitizer --tool "$tool" --target-processes all \
     --report-api-errors no --error-exitcode 99 $PY -m pytest -q -p no:cacheprovider conformance/test_suite.py \
-    --backend "$backend" --conformance-level quick --device cuda ${select:+-k "$select"}
+    conformance/test_graphs.py --backend "$backend" --conformance-level quick --device cuda \
+    ${select:+-k "$select"}
 }
 
 models() {  # models BACKEND: model-level conformance (tiny HF models) through BACKEND

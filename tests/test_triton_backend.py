@@ -1488,6 +1488,62 @@ def test_decodes_beside_a_gluon_chunk_count_the_slots_it_leaves_them(
 
 
 @pytest.mark.parametrize(
+    "step, chosen, width",
+    [
+        # the H100 plans of the thirty-ninth session's A/B (graph µs unsplit -> split;
+        # docs/results/graph-longer-ab2-h100-thirtyninth.log): `decodes:median:context:
+        # queries` (``bench.workloads.mixed_shape``), fp8, each in its own reservation
+        ("16:2048:8192:256", 3, 3),  # 398.0 -> 203.7
+        ("24:3072:4096:128", 6, 6),  # 220.9 -> 129.2
+        ("32:2048:4096:256", 3, 3),  # 217.6 -> 172.0
+        ("8:4096:16384:512", 3, 3),  # 812.3 -> 664.8
+        ("4:8192:32768:64", 12, 12),  # 1506.8 -> 210.5
+        ("2:16384:16384:16", 31, 46),  # 765.5 -> 80.8
+        ("12:1024:4096:32", 12, 15),  # 154.3 -> 34.4
+        ("48:1024:2048:1024", 2, 3),  # 293.2 -> 304.2
+        ("fp8-mixed", 3, 3),  # 186.5 -> 193.1
+    ],
+)
+def test_a_mixed_reservations_chunk_splits_as_on_the_h100(step, chosen, width):
+    """A mixed reservation's longer launch (the portable kernel: an fp8 cache) takes the
+    splits each step chooses within its plan's width, in even shares (its kernel keeps
+    no range check), as the H100 planned them, with its compiled fits (three programs
+    an SM) injected."""
+    from pagedkv.bench.workloads import MATRICES, mixed_shape
+    from pagedkv.toolkit.launch import KernelFit
+
+    matrix = {w.name: w for rows in MATRICES.values() for w in rows}
+    w = matrix[step] if step in matrix else mixed_shape(step)
+    # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
+    spec = dataclasses.replace(w.layer, dtype="fp16", kv_cache_dtype="fp8_e4m3").spec()
+    seq_lens, query_lens = list(w.seq_lens), list(w.query_lens)
+    blocks, first = [], 1
+    for n in seq_lens:
+        blocks.append(list(range(first, first + -(-n // spec.block_size))))
+        first += len(blocks[-1])
+    common = CommonAttentionMetadata.from_requests(
+        seq_lens, query_lens, blocks, spec.block_size, DEVICE
+    )
+    builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
+    builder.num_sms = 132  # as on an H100
+    builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
+    builder.reserve_cuda_graph(
+        GraphBounds(
+            max_num_reqs=len(seq_lens),
+            max_num_tokens=sum(query_lens),
+            max_blocks_per_req=max(len(b) for b in blocks),
+            max_query_len=max(query_lens),
+        )
+    )
+    decodes, longer = builder.build(common).parts
+    assert (decodes.role, longer.role) == ("decodes", "longer requests")
+    assert longer.gluon is None and longer.plan.dynamic_splits
+    assert (longer.choice.num_splits, longer.plan.num_splits) == (chosen, width)
+    assert not longer.choice.fixed_ranges and not longer.attention.kwargs["TRIM_SPLITS"]
+    assert longer.attention.kwargs["NumSplits"].tolist()[0] == chosen
+
+
+@pytest.mark.parametrize(
     "query_lens, runs",
     [
         ((1, 1, 24, 0, 0), ((0, 2), (2, 5))),  # decodes, a chunk, padding after it
