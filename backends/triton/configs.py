@@ -741,9 +741,10 @@ def plan_tiles(
     """The tiles and splits of one launch over ``step`` (``tile`` overrides the rule's
     tile, ``forced_splits`` its splits, ``forced_keys`` its splits as fixed key ranges
     of that many keys; ``bounded``: a CUDA-graph plan, whose splits each step chooses
-    within a width its scratch is sized for once (``graph_split_limit``); ``range_multiples``: the multiples of powers of two
-    an eager step's key ranges compare, ``free_share`` the share of the slots free at
-    its launch: ``makespan_splits``')."""
+    within a width its scratch is sized for once, ``graph_split_limit``;
+    ``range_multiples``: the multiples of powers of two an eager step's key ranges
+    compare, ``free_share`` the share of the slots free at its launch:
+    ``makespan_splits``')."""
     if batch_invariant:
         if forced_splits:
             raise ConfigError(
