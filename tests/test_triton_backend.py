@@ -1425,6 +1425,25 @@ def test_the_gluon_beside_decodes_rule_on_the_h200s_measured_steps(
 _H100_FITS = {64: (3, 4, 4), 128: (4, 4, 4), 256: (3, 3, 3)}
 
 
+def _h100_step(row: str, **layer: str) -> tuple[AttentionSpec, CommonAttentionMetadata]:
+    """The layer (fp16: a CPU builder refuses bf16, and the rule reads shapes only;
+    ``layer``'s changes) and the step of a matrix row or a ``bench.workloads.mixed_shape``
+    step (`decodes:median:context:queries[:head size]`), its pages laid out in turn."""
+    from pagedkv.bench.workloads import MATRICES, mixed_shape
+
+    matrix = {w.name: w for rows in MATRICES.values() for w in rows}
+    w = matrix[row] if row in matrix else mixed_shape(row)
+    spec = dataclasses.replace(w.layer, dtype="fp16", **layer).spec()
+    seq_lens, query_lens = list(w.seq_lens), list(w.query_lens)
+    blocks, first = [], 1
+    for n in seq_lens:
+        blocks.append(list(range(first, first + -(-n // spec.block_size))))
+        first += len(blocks[-1])
+    return spec, CommonAttentionMetadata.from_requests(
+        seq_lens, query_lens, blocks, spec.block_size, DEVICE
+    )
+
+
 @pytest.mark.parametrize(
     "row, every_sm_keys, beside_keys",
     [
@@ -1455,22 +1474,10 @@ def test_decodes_beside_a_gluon_chunk_count_the_slots_it_leaves_them(
     ranges on the share of the slots the chunk's programs leave free at their launch
     (``_free_beside_gluon``): on the steps the H100 timed both plans of, the plan with
     it, and the plan it replaced (every SM free), with the H100's compiled fits."""
-    from pagedkv.bench.workloads import MATRICES, mixed_shape
     from pagedkv.toolkit.launch import KernelFit
 
-    matrix = {w.name: w for rows in MATRICES.values() for w in rows}
-    w = matrix[row] if row in matrix else mixed_shape(row)
-    # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
-    spec = dataclasses.replace(w.layer, dtype="fp16").spec()
+    spec, common = _h100_step(row)
     per_sm = dict(zip(LaunchForm, _H100_FITS[spec.head_size], strict=True))
-    seq_lens, query_lens = list(w.seq_lens), list(w.query_lens)
-    blocks, first = [], 1
-    for n in seq_lens:
-        blocks.append(list(range(first, first + -(-n // spec.block_size))))
-        first += len(blocks[-1])
-    common = CommonAttentionMetadata.from_requests(
-        seq_lens, query_lens, blocks, spec.block_size, DEVICE
-    )
 
     def decode_keys(every_sm: bool) -> int:
         builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
@@ -1509,30 +1516,18 @@ def test_a_mixed_reservations_chunk_splits_as_on_the_h100(step, chosen, width):
     splits each step chooses within its plan's width, in even shares (its kernel keeps
     no range check), as the H100 planned them, with its compiled fits (three programs
     an SM) injected."""
-    from pagedkv.bench.workloads import MATRICES, mixed_shape
     from pagedkv.toolkit.launch import KernelFit
 
-    matrix = {w.name: w for rows in MATRICES.values() for w in rows}
-    w = matrix[step] if step in matrix else mixed_shape(step)
-    # fp16: a CPU builder refuses bf16 (the rule reads shapes only)
-    spec = dataclasses.replace(w.layer, dtype="fp16", kv_cache_dtype="fp8_e4m3").spec()
-    seq_lens, query_lens = list(w.seq_lens), list(w.query_lens)
-    blocks, first = [], 1
-    for n in seq_lens:
-        blocks.append(list(range(first, first + -(-n // spec.block_size))))
-        first += len(blocks[-1])
-    common = CommonAttentionMetadata.from_requests(
-        seq_lens, query_lens, blocks, spec.block_size, DEVICE
-    )
+    spec, common = _h100_step(step, kv_cache_dtype="fp8_e4m3")
     builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
     builder.num_sms = 132  # as on an H100
     builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
-    builder.reserve_cuda_graph(
+    builder.reserve_cuda_graph(  # the step's own bounds, as `pagedkv bench` reserves
         GraphBounds(
-            max_num_reqs=len(seq_lens),
-            max_num_tokens=sum(query_lens),
-            max_blocks_per_req=max(len(b) for b in blocks),
-            max_query_len=max(query_lens),
+            max_num_reqs=common.num_reqs,
+            max_num_tokens=common.num_tokens,
+            max_blocks_per_req=common.block_table.shape[1],
+            max_query_len=common.max_query_len,
         )
     )
     decodes, longer = builder.build(common).parts
