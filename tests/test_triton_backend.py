@@ -1056,6 +1056,34 @@ def test_each_row_is_merged_in_the_narrowest_tile_that_holds_its_splits(monkeypa
     assert forced.parts[0].reduce.kwargs["MIN_WIDTH"] == 4  # every row merges its 3
 
 
+def test_a_mixed_reservations_launches_choose_splits_for_their_captured_form(monkeypatch):
+    """Each launch of a mixed reservation chooses its step's splits for the form it was
+    captured in: the decodes' list of work items, the longer requests' grid of query
+    blocks, even where this step's longer requests are speculative ones that would fit
+    a list (one query block each)."""
+    import pagedkv.backends.triton.builder as builder_module
+
+    asked = []
+    real = builder_module.step_splits
+
+    def recording(layer, step, plan, num_sms, fit=None, listing=True, max_items=None):
+        asked.append((int(step.max_query_len), listing, max_items is not None))
+        return real(layer, step, plan, num_sms, fit, listing, max_items)
+
+    monkeypatch.setattr(builder_module, "step_splits", recording)
+    bounds = GraphBounds(max_num_reqs=4, max_num_tokens=40, max_blocks_per_req=320,
+                         max_query_len=32)  # fmt: skip
+    builder, *_ = _reserved(bounds, 400)
+    blocks = [list(range(1, 161)), list(range(161, 321))]
+    common = CommonAttentionMetadata.from_requests([2500, 2500], [1, 4], blocks, 16, DEVICE)
+    decodes, longer = builder.build(common).parts
+    assert decodes.attention.kwargs["RANGE_LIST"]
+    assert longer.plan.dynamic_splits and longer.choice.num_splits > 1  # it did split
+    assert longer.plan.block_q >= 4 and not longer.attention.kwargs["RANGE_LIST"]
+    # (queries, listed, capped): the decodes' list, then the longer requests' grid
+    assert asked == [(1, True, True), (4, False, False)], asked
+
+
 def test_reserved_mixed_steps_cap_only_a_list_of_work_items():
     """The cap of a captured list of work items (``graph_items``) binds a listed launch
     only: under ``split_grid=blocks`` a mixed reservation's decodes split as the listed

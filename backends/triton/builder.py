@@ -290,12 +290,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
             # written where the captured kernels read them: the count, and the tiles and
             # keys of a fixed range (0: even shares); listed, within the captured grid
-            if self.listing and one_block_per_request(step, parts[0].plan.block_q):
+            # (bounds of chunk-length queries launch a grid of query blocks, not a list)
+            listed = self.listing and one_block_per_request(step, parts[0].plan.block_q)
+            if listed:
                 max_items = graph_items(layer, parts[0].plan, common.num_reqs, self.num_sms)
             chosen = step_splits(
-                layer, requests, parts[0].plan, self.num_sms, self.fits, self.listing,
-                max_items,
-            )  # fmt: skip
+                layer, requests, parts[0].plan, self.num_sms, self.fits, listed, max_items
+            )
             num_splits = self._write_step_splits(chosen, parts[0].plan, requests)
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
@@ -431,8 +432,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, SplitChoice | None]:
         """A mixed reservation's launch ``name`` over ``run``'s ``requests`` this step:
         its partials (``max_tokens`` rows from the run's first token: NumSplits[3]), the
-        device buffer of the step's splits and the splits (``step_splits``, listed within
-        ``max_items``), or the unused tensors and None for an unsplit plan."""
+        device buffer of the step's splits and the splits (``step_splits``: a launch that
+        lists its work items within ``max_items``, else, None, a grid), or the unused
+        tensors and None for an unsplit plan."""
         unused = self._unused
         if not plan.split:
             return (unused, unused, unused), unused, None
@@ -442,9 +444,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self.scratch(f"{name}_partial_max", shape, torch.float32),
             self.scratch(f"{name}_partial_sum", shape, torch.float32),
         )
-        listing = self.listing and one_block_per_request(requests, plan.block_q)
+        # the step's own requests may fit one block each (speculative ones in the longer
+        # launch), but the launch's form is the captured one
+        listed = max_items is not None
         chosen = (
-            step_splits(self.layer, requests, plan, self.num_sms, self.fits, listing, max_items)
+            step_splits(self.layer, requests, plan, self.num_sms, self.fits, listed, max_items)
             if requests.max_query_len > 0
             else SplitChoice(1, plan.tile.tile_n)
         )
