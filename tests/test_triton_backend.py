@@ -1710,3 +1710,37 @@ def test_a_gluon_part_runs_its_portable_plan_where_tma_cannot_read_the_cache():
         torch_backend.make_builder(spec, DEVICE).build(common),
     )  # fmt: skip
     torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_split_chunk_beside_decodes_launches_its_reduction_after_its_keys(overlap, graph):
+    """A two-part step's longer requests, split on the portable kernel (an fp8 cache, as
+    the H100 plans fp8 mixed), let their reduction launch after their keys where the
+    impl overlaps the parts (its programs waiting from the chunk's start would hold the
+    decodes' slots); the decodes, and both parts run one after the other, at once."""
+    from pagedkv.backends.triton.attention_kernel import (
+        DEPENDENTS_AFTER_KEYS,
+        DEPENDENTS_AT_START,
+    )
+    from pagedkv.toolkit.launch import KernelFit
+
+    spec, common = _h100_step("fp8-mixed", kv_cache_dtype="fp8_e4m3")
+    backend = pagedkv.get_backend("triton", overlap_parts=overlap)
+    builder = backend.make_builder(spec, DEVICE)
+    builder.num_sms, builder.programmatic = 132, True  # as on an H100
+    builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
+    if graph:
+        builder.reserve_cuda_graph(
+            GraphBounds(
+                max_num_reqs=common.num_reqs,
+                max_num_tokens=common.num_tokens,
+                max_blocks_per_req=common.block_table.shape[1],
+                max_query_len=common.max_query_len,
+            )
+        )
+    decodes, longer = builder.build(common).parts
+    assert decodes.plan.split and longer.plan.split and longer.gluon is None
+    chunk_at = DEPENDENTS_AFTER_KEYS if overlap else DEPENDENTS_AT_START
+    assert decodes.attention.kwargs["LAUNCH_DEPENDENTS"] == DEPENDENTS_AT_START
+    assert longer.attention.kwargs["LAUNCH_DEPENDENTS"] == chunk_at

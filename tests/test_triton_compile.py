@@ -12,6 +12,7 @@ write. Identical compiles (same constants and argument specialisation) run once.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import pagedkv
 import pytest
 import torch
 from pagedkv import GraphBounds
+from pagedkv.backends.triton.attention_kernel import DEPENDENTS_AFTER_KEYS, DEPENDENTS_AT_START
 from pagedkv.backends.triton.configs import (
     REDUCE_MIN_WIDTH,
     SPILL_SLACK_BYTES,
@@ -198,6 +200,19 @@ def _variants() -> list[Variant]:
             bounds=mixed_bounds,
         )
     )
+    # a chunk of a long context beside decodes, eager (two parts) and in a mixed
+    # reservation: its split launch lets the reduction start after its keys
+    # (``DEPENDENTS_AFTER_KEYS``), where the decodes' lets it start at once
+    chunk_beside = BASE.replace(seq_lens=(4000, 40, 8000), query_lens=(1, 1, 40))
+    out.append(Variant("mixed-parts-split-chunk", chunk_beside, num_sms=H200_SMS))
+    out.append(
+        Variant(
+            "graph-mixed-parts-split-chunk",
+            chunk_beside,
+            bounds=dataclasses.replace(mixed_bounds, max_blocks_per_req=500),
+            num_sms=H200_SMS,
+        )
+    )
     # fixed key ranges (a ragged batch, which the rule cuts so on the CPU's stand-in SM
     # count): the trimmed kernels, causal and not, with sinks
     # (GQA 4, D 128: the H200's ragged-decode tile, m16-n64)
@@ -340,7 +355,11 @@ def test_the_matrix_covers_the_rule():
     long = _launches(next(v for v in VARIANTS if v.label == "graph-32k-reservation-d128"))
     assert long[1].kwargs["SPLIT_PAD"] == 64 and long[1].kwargs["MIN_WIDTH"] == REDUCE_MIN_WIDTH
     split = _launches(next(v for v in VARIANTS if v.label == "split2"))
-    assert split[0].kwargs["LAUNCH_DEPENDENTS"]
+    assert split[0].kwargs["LAUNCH_DEPENDENTS"] == DEPENDENTS_AT_START
+    for label in ("mixed-parts-split-chunk", "graph-mixed-parts-split-chunk"):
+        decodes, _, chunk, *_ = _launches(next(v for v in VARIANTS if v.label == label))
+        assert decodes.kwargs["LAUNCH_DEPENDENTS"] == DEPENDENTS_AT_START, label
+        assert chunk.kwargs["LAUNCH_DEPENDENTS"] == DEPENDENTS_AFTER_KEYS, label
     assert split[1].kwargs["WAIT_FOR_PRIMARY"] and split[1].kwargs["launch_pdl"]
 
 

@@ -50,6 +50,15 @@ from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
 
 _LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
 
+# Where a split launch's programs let their reduction (a programmatic dependent launch)
+# start: at their start, so that its programs take SMs as the attention's last ones
+# finish; or after their keys, where a part beside another part's launch (on the other
+# stream) would otherwise hold slots that launch needs (the builder's ``_part_launches``)
+DEPENDENTS_AT_START = 1
+DEPENDENTS_AFTER_KEYS = 2
+_AT_START = tl.constexpr(DEPENDENTS_AT_START)
+_AFTER_KEYS = tl.constexpr(DEPENDENTS_AFTER_KEYS)
+
 
 @triton.jit
 def find_sequence(QueryStartLoc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
@@ -263,11 +272,11 @@ def unified_attention_kernel(
     TRIM_SPLITS: tl.constexpr,  # fixed key ranges; empty ones neither run nor write
     RANGE_LIST: tl.constexpr,  # one program per (request, split) that has keys
     BLOCK_PER_REQUEST: tl.constexpr,  # every request's queries fit one block: program i is request i
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # 0, or where: DEPENDENTS_AT_START / _AFTER_KEYS
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
-    if LAUNCH_DEPENDENTS:
+    if LAUNCH_DEPENDENTS == _AT_START:
         # the reduction (a programmatic dependent launch) may take free SMs now: it waits
         # for this grid's end before it reads the partials
         tl.extra.cuda.gdc_launch_dependents()
@@ -428,6 +437,9 @@ def unified_attention_kernel(
         )  # fmt: skip
 
     # -- epilogue ------------------------------------------------------------------
+    if LAUNCH_DEPENDENTS == _AFTER_KEYS:
+        # (a program that exits early lets it launch too)
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT:
         # every split writes, even an empty one (m = -inf, l = 0), for the reduction
         # (but those TRIM_SPLITS skips, which the reduction does not read)

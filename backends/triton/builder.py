@@ -21,7 +21,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from pagedkv.backend import AttentionMetadataBuilder, BackendMetadata
-from pagedkv.backends.triton.attention_kernel import unified_attention_kernel
+from pagedkv.backends.triton.attention_kernel import (
+    DEPENDENTS_AFTER_KEYS,
+    DEPENDENTS_AT_START,
+    unified_attention_kernel,
+)
 from pagedkv.backends.triton.configs import (
     REDUCE_MIN_WIDTH,
     REDUCE_TILE_VALUES,
@@ -328,6 +332,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     range_list=range_list,
                     by_request=one_block_per_request(planned, part.plan.block_q),
                     choice=chosen if part.plan.dynamic_splits else None,
+                    beside=not whole and planned.max_query_len > SPLIT_POLICY.max_query_len,
                 )
             )
         return TritonMetadata(common, layer, tuple(launches))
@@ -416,6 +421,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 gluon,
                 role="longer requests",
                 choice=longer_choice,
+                beside=True,
             ),
         )
         return TritonMetadata(common, layer, launches)
@@ -606,6 +612,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         held = min(1.0, gluon_program_us(self.layer.head_size, longer.max_seq_len) / decodes_us)
         return 1.0 - programs * held / self.num_sms
 
+    def _dependents_at(self, plan: TilePlan, beside: bool) -> int:
+        """Where a split launch's programs let its reduction launch (the kernel's
+        ``LAUNCH_DEPENDENTS``; 0: not a programmatic launch). At their start, where the
+        reduction's programs wait on SMs the attention's last programs leave; after their
+        keys for a two-part step's longer requests beside the decodes (``beside``, the
+        parts overlapped): their grid starts every program in its first wave or two, so a
+        reduction launched at their start would hold, for the longer part's whole length,
+        slots the decodes' launch needs. H100 (fortieth session, docs/triton.md): fp8
+        mixed 201.4 -> 182.2 us eager, 189.8 -> 180.5 graph; the longer part at one of its
+        graph's dynamic splits 221.0 -> 160.0; decode graphs, whose reductions launch with
+        their last wave, lost 11-13% after the keys (so they keep the start)."""
+        if not (self.programmatic and plan.split):
+            return 0
+        return DEPENDENTS_AFTER_KEYS if beside and self.overlap_parts else DEPENDENTS_AT_START
+
     def _part_launches(
         self,
         views: PartViews,
@@ -617,12 +638,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         range_list: tuple[torch.Tensor, int] | None = None,
         by_request: bool = False,
         choice: SplitChoice | None = None,
+        beside: bool = False,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (``views``)
         and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
         work items of a range-list launch (``_range_list``); ``by_request``: every
         request's queries fit one query block (an unlisted launch then takes one program
-        per request); ``choice``: the step's splits under a dynamic-split plan."""
+        per request); ``choice``: the step's splits under a dynamic-split plan;
+        ``beside``: the longer requests of a two-part step, whose launch the decodes'
+        runs beside where the impl overlaps the parts (``_dependents_at``)."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -681,7 +705,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 TRIM_SPLITS=plan.trim_splits,
                 RANGE_LIST=range_list is not None,
                 BLOCK_PER_REQUEST=by_request,
-                LAUNCH_DEPENDENTS=self.programmatic and plan.split,
+                LAUNCH_DEPENDENTS=self._dependents_at(plan, beside),
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,
                 num_stages=t.num_stages,
