@@ -1472,6 +1472,30 @@ def _h100_step(row: str, **layer: str) -> tuple[AttentionSpec, CommonAttentionMe
     )
 
 
+def _h100_fp8_builder(
+    step: str, graph: bool, **options: object
+) -> tuple[TritonMetadataBuilder, CommonAttentionMetadata]:
+    """A triton builder of ``_h100_step``'s step over an fp8 cache, planning as the H100
+    did (132 SMs, its compiled fits: three programs an SM), and the step; ``graph``:
+    reserved for the step's own bounds, as `pagedkv bench` reserves."""
+    from pagedkv.toolkit.launch import KernelFit
+
+    spec, common = _h100_step(step, kv_cache_dtype="fp8_e4m3")
+    builder = pagedkv.get_backend("triton", **options).make_builder(spec, DEVICE)
+    builder.num_sms = 132
+    builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
+    if graph:
+        builder.reserve_cuda_graph(
+            GraphBounds(
+                max_num_reqs=common.num_reqs,
+                max_num_tokens=common.num_tokens,
+                max_blocks_per_req=common.block_table.shape[1],
+                max_query_len=common.max_query_len,
+            )
+        )
+    return builder, common
+
+
 @pytest.mark.parametrize(
     "row, every_sm_keys, beside_keys",
     [
@@ -1544,20 +1568,7 @@ def test_a_mixed_reservations_chunk_splits_as_on_the_h100(step, chosen, width):
     splits each step chooses within its plan's width, in even shares (its kernel keeps
     no range check), as the H100 planned them, with its compiled fits (three programs
     an SM) injected."""
-    from pagedkv.toolkit.launch import KernelFit
-
-    spec, common = _h100_step(step, kv_cache_dtype="fp8_e4m3")
-    builder = pagedkv.get_backend("triton").make_builder(spec, DEVICE)
-    builder.num_sms = 132  # as on an H100
-    builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
-    builder.reserve_cuda_graph(  # the step's own bounds, as `pagedkv bench` reserves
-        GraphBounds(
-            max_num_reqs=common.num_reqs,
-            max_num_tokens=common.num_tokens,
-            max_blocks_per_req=common.block_table.shape[1],
-            max_query_len=common.max_query_len,
-        )
-    )
+    builder, common = _h100_fp8_builder(step, graph=True)
     decodes, longer = builder.build(common).parts
     assert (decodes.role, longer.role) == ("decodes", "longer requests")
     assert longer.gluon is None and longer.plan.dynamic_splits
@@ -1723,22 +1734,9 @@ def test_a_split_chunk_beside_decodes_launches_its_reduction_after_its_keys(over
         DEPENDENTS_AFTER_KEYS,
         DEPENDENTS_AT_START,
     )
-    from pagedkv.toolkit.launch import KernelFit
 
-    spec, common = _h100_step("fp8-mixed", kv_cache_dtype="fp8_e4m3")
-    backend = pagedkv.get_backend("triton", overlap_parts=overlap)
-    builder = backend.make_builder(spec, DEVICE)
-    builder.num_sms, builder.programmatic = 132, True  # as on an H100
-    builder.fits = lambda tile, form: KernelFit(0, 0, 0, 3)
-    if graph:
-        builder.reserve_cuda_graph(
-            GraphBounds(
-                max_num_reqs=common.num_reqs,
-                max_num_tokens=common.num_tokens,
-                max_blocks_per_req=common.block_table.shape[1],
-                max_query_len=common.max_query_len,
-            )
-        )
+    builder, common = _h100_fp8_builder("fp8-mixed", graph, overlap_parts=overlap)
+    builder.programmatic = True  # as on an H100
     decodes, longer = builder.build(common).parts
     assert decodes.plan.split and longer.plan.split and longer.gluon is None
     chunk_at = DEPENDENTS_AFTER_KEYS if overlap else DEPENDENTS_AT_START
