@@ -53,7 +53,7 @@ _LOG2E = tl.constexpr(LOG2E)  # kernels may read only constexpr globals
 # Where a split launch's programs let their reduction (a programmatic dependent launch)
 # start: at their start, so that its programs take SMs as the attention's last ones
 # finish; or after their keys, where a part beside another part's launch (on the other
-# stream) would otherwise hold slots that launch needs (the builder's ``_part_launches``)
+# stream) would otherwise hold slots that launch needs (the builder's ``_dependents_at``)
 DEPENDENTS_AT_START = 1
 DEPENDENTS_AFTER_KEYS = 2
 _AT_START = tl.constexpr(DEPENDENTS_AT_START)
