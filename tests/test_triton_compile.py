@@ -13,6 +13,7 @@ write. Identical compiles (same constants and argument specialisation) run once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -25,16 +26,18 @@ from pagedkv.backends.triton.attention_kernel import DEPENDENTS_AFTER_KEYS, DEPE
 from pagedkv.backends.triton.configs import (
     REDUCE_MIN_WIDTH,
     SPILL_SLACK_BYTES,
+    LaunchForm,
     LayerShape,
     StepShape,
     TileConfig,
     plan_tiles,
 )
+from pagedkv.backends.triton.occupancy import CompiledFits
 from pagedkv.conformance import Scenario
 from pagedkv.conformance.problem import build_problem
-from pagedkv.toolkit.launch import KernelLaunch
+from pagedkv.toolkit.launch import KernelLaunch, occupancy
 from pagedkv.toolkit.triton_kv_write import plan_write_kv
-from triton_compile import compile_launches
+from triton_compile import CompileResult, compile_launches
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -290,17 +293,66 @@ def _compile_key(launch: KernelLaunch) -> tuple:
     return (fn.__name__, tuple(key))
 
 
-def test_every_launched_variant_compiles_for_sm90():
-    launches, labels, seen = [], [], set()
-    for variant in VARIANTS:
-        for launch in _launches(variant):
-            key = _compile_key(launch)
-            if key in seen:  # the same compiled kernel as an earlier variant
-                continue
-            seen.add(key)
+def _probed_form(launch: KernelLaunch) -> LaunchForm:
+    """The launch form whose compiled fit the rule planned an attention launch with
+    (``CompiledFits``): a list of work items (a CUDA-graph step's even shares included,
+    ``step_splits``) and fixed key ranges are probed as key ranges."""
+    kw = launch.kwargs
+    if not kw["SPLIT"]:
+        return LaunchForm.UNSPLIT
+    if kw["RANGE_LIST"] or kw["tiles_per_split"] > 0:
+        return LaunchForm.KEY_RANGES
+    return LaunchForm.EVEN_SHARES
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    launches: list[KernelLaunch]  # one per compiled kernel
+    labels: list[str]
+    results: list[CompileResult]
+    # (variant, launched attention kernel, its probe's) as indices into ``results``
+    probed: list[tuple[str, int, int]]
+
+
+@functools.cache
+def _compiled(cache_dir: str) -> _Compiled:
+    """Every launched variant, once per compiled kernel, with the occupancy probe's
+    launch of each attention launch's (tile, form), compiled for sm_90 in a fresh
+    Triton cache (``cache_dir``): ptxas then reports every variant's registers."""
+    launches, labels, index = [], [], {}
+
+    def add(launch: KernelLaunch, label: str) -> int:
+        key = _compile_key(launch)
+        if key not in index:  # the same compiled kernel as an earlier launch's
+            index[key] = len(launches)
             launches.append(launch)
-            labels.append(f"{variant.label}:{key[0]}")
-    results = compile_launches(launches, labels=labels)
+            labels.append(f"{label}:{key[0]}")
+        return index[key]
+
+    probes: dict[tuple, KernelLaunch] = {}
+    probed = []
+    for variant in VARIANTS:
+        spec = build_problem(variant.scenario, "cpu").spec
+        for launch in _launches(variant):
+            launched = add(launch, variant.label)
+            # the batch-invariant mode plans without compiled fits
+            if "RANGE_LIST" not in launch.kwargs or variant.batch_invariant:
+                continue
+            kw = launch.kwargs
+            tile = TileConfig(kw["BLOCK_M"], kw["TILE_N"], kw["num_warps"], kw["num_stages"])
+            key = (spec, tile, _probed_form(launch))
+            if key not in probes:
+                probes[key] = CompiledFits(spec, "cpu", {}).probe_launch(*key[1:])
+            probed.append((variant.label, launched, add(probes[key], f"probe-{variant.label}")))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_CACHE_DIR", cache_dir)
+        results = compile_launches(launches, labels=labels)
+    return _Compiled(launches, labels, results, probed)
+
+
+def test_every_launched_variant_compiles_for_sm90(tmp_path_factory):
+    compiled = _compiled(str(tmp_path_factory.getbasetemp() / "triton-sm90"))
+    launches, labels, results = compiled.launches, compiled.labels, compiled.results
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
     kernels = {label.split(":")[1] for label in labels}
@@ -322,14 +374,41 @@ def test_every_launched_variant_compiles_for_sm90():
         if "BLOCK_PER_REQUEST" in launch.kwargs and not launch.kwargs["RANGE_LIST"]
     }
     assert by_request == {False, True}, by_request
-    # register spills (known when ptxas ran, i.e. not served from Triton's cache): none
-    # inside a loop, at most the rule's slack in all (a value parked for the whole kernel)
+    # register spills: none inside a loop, at most the rule's slack in all (a value
+    # parked for the whole kernel)
+    assert all(r.spill_bytes is not None for r in results), "a variant came from a cache"
     spilled = [
         str(r)
         for r in results
         if r.spill_bytes and (r.spill_bytes > SPILL_SLACK_BYTES or r.loop_spills != 0)
     ]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
+
+
+def test_every_launch_fits_an_sm_as_the_variant_its_plan_probed(tmp_path_factory):
+    """On a GPU the rule plans with the compiled fit of a probe launch per (tile, form)
+    (``occupancy.CompiledFits``): two eager decodes, the reduction launched at the
+    attention's start. A launch compiles its own variant (a CUDA-graph step's dynamic
+    splits, a list of work items, a reduction launched after the keys, sinks, ...),
+    whose registers may differ: it must fit as many programs an SM as its probe did, or
+    the plan's waves are not the GPU's."""
+    compiled = _compiled(str(tmp_path_factory.getbasetemp() / "triton-sm90"))
+    results = compiled.results
+
+    def programs(i: int) -> int:
+        r = results[i]
+        assert r.ok and r.registers is not None, r
+        return occupancy(r.registers, r.shared, r.num_warps)
+
+    assert len(compiled.probed) > 50, len(compiled.probed)
+    unlike = [
+        f"{results[launched].label}: {results[launched].registers} registers "
+        f"({programs(launched)} an SM), its probe {results[probe].registers} "
+        f"({programs(probe)})"
+        for _variant, launched, probe in compiled.probed
+        if programs(launched) != programs(probe)
+    ]
+    assert not unlike, "\n".join(unlike)
 
 
 def test_the_matrix_covers_the_rule():

@@ -119,20 +119,26 @@ def compiled_fit(launch: KernelLaunch, device: torch.device | str) -> KernelFit 
 
 def kernel_fit(compiled: Any, num_warps: int, props: Any) -> KernelFit:
     """``KernelFit`` of a loaded Triton ``CompiledKernel`` on a GPU of properties ``props``
-    (``torch.cuda.get_device_properties``): registers are allocated in 8s per thread;
-    each program's shared memory also takes the 1 KiB the SM reserves per block."""
-    threads = 32 * num_warps
+    (``torch.cuda.get_device_properties``)."""
     registers = int(compiled.n_regs)
     shared = int(compiled.metadata.shared)
-    # sm_90's limits where this torch does not report them
-    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-    by_registers = regs_per_sm // max(1, -(-registers // 8) * 8 * threads)
-    by_shared = shared_per_sm // (shared + 1024)
     return KernelFit(
         registers=registers,
         spill_bytes=4 * int(compiled.n_spills),  # Triton counts spilled 32-bit words
         shared_bytes=shared,
-        programs_per_sm=min(by_registers, by_shared, threads_per_sm // threads),
+        programs_per_sm=occupancy(registers, shared, num_warps, props),
     )
+
+
+def occupancy(registers: int, shared_bytes: int, num_warps: int, props: Any = None) -> int:
+    """Programs of ``num_warps`` warps, ``registers`` a thread and ``shared_bytes`` of
+    shared memory that one SM of a GPU of properties ``props`` holds at once (None, or a
+    limit this torch does not report: sm_90's). Registers are allocated in 8s per thread;
+    each program's shared memory also takes the 1 KiB the SM reserves per block."""
+    threads = 32 * num_warps
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    by_registers = regs_per_sm // max(1, -(-registers // 8) * 8 * threads)
+    by_shared = shared_per_sm // (shared_bytes + 1024)
+    return min(by_registers, by_shared, threads_per_sm // threads)
