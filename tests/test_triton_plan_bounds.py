@@ -70,15 +70,20 @@ def _step(
     draw: Any, spec: AttentionSpec, max_reqs: int, max_tokens: int, max_query: int, context: int
 ) -> CommonAttentionMetadata:
     """A step within those bounds: decodes, speculative and longer queries, and requests
-    without queries, over contexts up to ``context`` (long-tailed: most short)."""
+    without queries, each over up to ``context`` keys, an eighth of it or 600 (ragged)."""
     num_reqs = draw(st.integers(1, max_reqs))
     seq_lens, query_lens, tokens = [], [], 0
     for _ in range(num_reqs):
         kind = draw(st.sampled_from(["decode", "decode", "spec", "chunk", "empty"]))
         longest = draw(st.sampled_from([context, context // 8 + 1, 600]))
-        query = {"decode": 1, "spec": draw(st.integers(2, 8)), "empty": 0}.get(
-            kind, draw(st.integers(9, max(9, max_query)))
-        )
+        if kind == "decode":
+            query = 1
+        elif kind == "spec":
+            query = draw(st.integers(2, 8))
+        elif kind == "chunk":
+            query = draw(st.integers(9, max(9, max_query)))
+        else:
+            query = 0
         query = min(query, max_query, max_tokens - tokens)
         seq = draw(st.integers(max(query, 1), max(query, 1, longest)))
         seq_lens.append(seq)
