@@ -308,10 +308,9 @@ def _probed_form(launch: KernelLaunch) -> LaunchForm:
 @dataclass(frozen=True)
 class _Compiled:
     launches: list[KernelLaunch]  # one per compiled kernel
-    labels: list[str]
-    results: list[CompileResult]
-    # (variant, launched attention kernel, its probe's) as indices into ``results``
-    probed: list[tuple[str, int, int]]
+    results: list[CompileResult]  # each labelled "variant:kernel"
+    # (launched attention kernel, its probe's) as indices into ``results``
+    probed: list[tuple[int, int]]
 
 
 @functools.cache
@@ -343,19 +342,19 @@ def _compiled(cache_dir: str) -> _Compiled:
             key = (spec, tile, _probed_form(launch))
             if key not in probes:
                 probes[key] = CompiledFits(spec, "cpu", {}).probe_launch(*key[1:])
-            probed.append((variant.label, launched, add(probes[key], f"probe-{variant.label}")))
+            probed.append((launched, add(probes[key], f"probe-{variant.label}")))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_CACHE_DIR", cache_dir)
         results = compile_launches(launches, labels=labels)
-    return _Compiled(launches, labels, results, probed)
+    return _Compiled(launches, results, probed)
 
 
 def test_every_launched_variant_compiles_for_sm90(tmp_path_factory):
     compiled = _compiled(str(tmp_path_factory.getbasetemp() / "triton-sm90"))
-    launches, labels, results = compiled.launches, compiled.labels, compiled.results
+    launches, results = compiled.launches, compiled.results
     failed = [str(r) for r in results if not r.ok]
     assert not failed, "\n\n".join(failed)
-    kernels = {label.split(":")[1] for label in labels}
+    kernels = {r.label.split(":")[1] for r in results}
     assert {"unified_attention_kernel", "reduce_splits_kernel", "write_kv_kernel"} <= kernels
     # both split forms of fixed key ranges: a static plan's and a CUDA-graph step's
     trimmed = {
@@ -405,7 +404,7 @@ def test_every_launch_fits_an_sm_as_the_variant_its_plan_probed(tmp_path_factory
         f"{results[launched].label}: {results[launched].registers} registers "
         f"({programs(launched)} an SM), its probe {results[probe].registers} "
         f"({programs(probe)})"
-        for _variant, launched, probe in compiled.probed
+        for launched, probe in compiled.probed
         if programs(launched) != programs(probe)
     ]
     assert not unlike, "\n".join(unlike)

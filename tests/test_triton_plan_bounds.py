@@ -132,7 +132,7 @@ def _check_attention(
     elif split:
         assert qsl[-1] <= kw["PartAcc"].shape[0]
     if range_keys:  # fixed key ranges (never with a window): every key within a split
-        assert (_cdiv(seq_lens[live], range_keys) <= splits).all(), (
+        assert (cdiv(seq_lens[live], range_keys) <= splits).all(), (
             f"fixed key ranges of {range_keys} keys x {splits} stop short of a request's keys"
         )
     if kw["RANGE_LIST"]:
@@ -145,7 +145,7 @@ def _check_attention(
         assert (query_lens <= block_q).all()  # a list's item is one query block
         assert (items <= splits).all()
         if range_keys:
-            assert (items[live] == _cdiv(seq_lens[live], range_keys)).all()
+            assert (items[live] == cdiv(seq_lens[live], range_keys)).all()
         else:
             assert (items[live] == splits).all()
         if dynamic and _host(kw["NumSplits"], 5)[4] > 0:  # owners found by a division
@@ -159,14 +159,10 @@ def _check_attention(
         # blocks start at qsl[i] // block_q + i
         first = qsl[0] // block_q
         starts = qsl[:-1] // block_q + np.arange(n)
-        ends = starts + _cdiv(query_lens, block_q)
+        ends = starts + cdiv(query_lens, block_q)
         assert (starts[live] >= first).all() and (ends[live] <= first + grid[0]).all(), (
             "query blocks past the grid"
         )
-
-
-def _cdiv(a: np.ndarray, b: int | np.ndarray) -> np.ndarray:
-    return -(-a // b)
 
 
 def _check_reduce(launch: KernelLaunch, plan: TilePlan, attention: KernelLaunch) -> None:
