@@ -1010,6 +1010,41 @@ def test_reserved_decode_steps_choose_their_own_splits():
     assert "keys of at most" in md.describe()
 
 
+def test_reserved_unlisted_decodes_take_one_axis_of_heads_requests_and_splits():
+    """Under ``split_grid=blocks`` a decode reservation launches a program per (KV head,
+    request, split) of its bounds, on one axis (the kernel's dynamic by-request variant:
+    on three it compiled to 156 registers on sm_90 instead of its probe's 126); the
+    programs past a step's requests or splits exit, and every step (a lone request, a
+    batch, a ragged one of fixed key ranges, one padded) attends as an eager step does."""
+    bounds = GraphBounds(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=320, max_query_len=1)
+    builder, eager_builder, impl, cache = _reserved(bounds, 400, split_grid="blocks")
+    gen = torch.Generator().manual_seed(3)
+    first, splits = None, set()
+    short = [list(range(378 + 3 * i, 381 + 3 * i)) for i in range(6)]
+    for seq_lens, blocks in (
+        ([2500], [list(range(1, 158))]),
+        ([40] * 8, [[2 * i + 1, 2 * i + 2, 2 * i + 3] for i in range(8)]),
+        ([5020, 1000, *[40] * 6], [list(range(1, 315)), list(range(315, 378)), *short]),
+        ([900, 40, 3000], [list(range(1, 58)), [60, 61, 62], list(range(100, 288))]),
+    ):
+        common = CommonAttentionMetadata.from_requests(
+            seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
+        )
+        md = builder.build(common)
+        attention = md.parts[0].attention
+        assert md.plan.dynamic_splits and attention.kwargs["BLOCK_PER_REQUEST"]
+        assert not attention.kwargs["RANGE_LIST"]
+        assert attention.grid == (2 * 8 * md.plan.num_splits, 1, 1), attention.grid
+        splits.add(md.step_splits)
+        n = common.num_tokens
+        q = torch.randn(8, 4, 32, generator=gen).half().to(DEVICE)
+        first = first or md  # an emulated replay: the first step's launches
+        out = impl.forward(q, None, None, cache, first)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
+    assert len(splits) > 1, splits  # the steps took different splits in one grid
+
+
 @pytest.mark.parametrize("heads", [4, 64])
 def test_each_row_is_merged_in_the_narrowest_tile_that_holds_its_splits(monkeypatch, heads):
     """The merge of a launch whose rows take fewer splits than its most (a CUDA-graph
@@ -1086,8 +1121,9 @@ def test_a_mixed_reservations_launches_choose_splits_for_their_captured_form(mon
 
 def test_reserved_mixed_steps_cap_only_a_list_of_work_items():
     """The cap of a captured list of work items (``graph_items``) binds a listed launch
-    only: under ``split_grid=blocks`` a mixed reservation's decodes split as the listed
-    ones do (a lone long decode: the plan's most)."""
+    only: under ``split_grid=blocks`` a mixed reservation's decodes (a program per
+    head, request and split) split as the listed ones do (a lone long decode: the plan's
+    most), and both attend as an eager step does."""
     bounds = GraphBounds(
         max_num_reqs=4, max_num_tokens=40, max_blocks_per_req=320, max_query_len=32
     )
@@ -1095,10 +1131,19 @@ def test_reserved_mixed_steps_cap_only_a_list_of_work_items():
     blocks = [[1 + j % 399 for j in range(-(-n // 16))] for n in seq_lens]
     common = CommonAttentionMetadata.from_requests(seq_lens, [1, 32], blocks, 16, DEVICE)
     chosen = {}
+    q = torch.randn(40, 4, 32, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
     for split_grid in ("auto", "blocks"):
-        builder, *_ = _reserved(bounds, 400, split_grid=split_grid)
+        builder, eager_builder, impl, cache = _reserved(bounds, 400, split_grid=split_grid)
         md = builder.build(common)
         chosen[split_grid] = (md.step_splits, md.parts[0].plan.num_splits)
+        # (blocks: the decodes' by-request launch on one axis, the kernel's note)
+        decodes = md.parts[0].attention
+        assert decodes.kwargs["RANGE_LIST"] == (split_grid == "auto")
+        assert decodes.kwargs["BLOCK_PER_REQUEST"] == (split_grid == "blocks")
+        n = common.num_tokens
+        out = impl.forward(q, None, None, cache, md)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common))
+        assert torch.allclose(out[:n], want, atol=1e-3, rtol=1e-3)
     assert chosen["blocks"] == chosen["auto"], chosen
     assert chosen["auto"][0] == chosen["auto"][1] > 4, chosen  # more than max_num_reqs
 

@@ -67,6 +67,7 @@ class Variant:
     batch_invariant: bool = False
     bounds: GraphBounds | None = None  # built under this CUDA-graph reservation
     num_sms: int | None = None  # the builder's SM count (None: the CPU's stand-in)
+    options: tuple[tuple[str, object], ...] = ()  # the backend's options
 
 
 # layer: (scenario, the steps whose plans it compiles). Every head size meets every GQA
@@ -184,6 +185,18 @@ def _variants() -> list[Variant]:
         label = "graph-decode-dynamic-splits" + "".join(f"-{k}" for k in changes)
         scenario = BASE.replace(seq_lens=(4000, 40), **changes)
         out.append(Variant(label, scenario, bounds=decode_bounds))
+    # ... unlisted (split_grid=blocks): a program per (KV head, request, split) of the
+    # bounds, on one axis (the variant on three axes took 156 registers, its probe 126)
+    scenario = BASE.replace(seq_lens=(4000, 40))
+    out.append(
+        Variant(
+            "graph-decode-by-request",
+            scenario,
+            bounds=decode_bounds,
+            num_sms=H200_SMS,
+            options=(("split_grid", "blocks"),),
+        )
+    )
     # a graph reserved for 32k keys on the H200's SMs: 64 splits at most, so the merge
     # compiles every tile width from REDUCE_MIN_WIDTH to 64 (D 128 and 256, with sinks)
     long_bounds = GraphBounds(max_num_reqs=2, max_num_tokens=2, max_blocks_per_req=2048)
@@ -244,7 +257,9 @@ VARIANTS = _variants()
 def _launches(variant: Variant) -> list[KernelLaunch]:
     problem = build_problem(variant.scenario, "cpu")
     spec = problem.spec
-    backend = pagedkv.get_backend("triton", batch_invariant=variant.batch_invariant)
+    backend = pagedkv.get_backend(
+        "triton", batch_invariant=variant.batch_invariant, **dict(variant.options)
+    )
     cache = backend.allocate_kv_cache(problem.num_blocks, spec, "cpu")
     # the classes directly: make_builder refuses bfloat16 on a CPU (the interpreter's)
     builder = backend.get_builder_cls()(

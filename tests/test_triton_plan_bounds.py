@@ -151,7 +151,10 @@ def _check_attention(
         if dynamic and _host(kw["NumSplits"], 5)[4] > 0:  # owners found by a division
             assert (items[: int(live.sum())] == splits).all() and live[: int(live.sum())].all()
     elif kw["BLOCK_PER_REQUEST"]:
-        assert grid == (hkv, n, width if split else 1), grid
+        shape = (hkv, n, width if split else 1)
+        # a dynamic-split plan's: one axis, program p head p % hkv, request p // hkv % n,
+        # split p // (hkv * n)
+        assert grid == ((hkv * n * width, 1, 1) if dynamic else shape), grid
         assert (query_lens <= block_q).all()
     else:
         assert grid[1] == hkv and grid[2] == (width if split else 1), grid

@@ -28,10 +28,11 @@ blocks) x (KV heads) x (splits), each request's splits that hold keys one after 
 (``RangeStarts``, from the builder). A ragged batch cut into fixed key ranges then
 launches no empty program: with a (blocks, splits) grid most of its programs would find
 their range past their request's keys and exit, each holding an SM's slot for a few
-dependent loads. ``BLOCK_PER_REQUEST`` (the same steps' launches in even shares,
-unlisted): the grid is ``(KV heads, requests, splits)``, so no program searches for its
-request (``find_sequence``: a chain of dependent loads before the first key) and none
-is empty.
+dependent loads. ``BLOCK_PER_REQUEST`` (the same steps' launches unlisted: even
+shares, or any under ``split_grid=blocks``): the grid is ``(KV heads, requests,
+splits)`` (a CUDA-graph plan's: one axis of as many programs, in that order), so no
+program searches for its request (``find_sequence``: a chain of dependent loads before
+the first key).
 
 Both decode grids start the KV heads of one request's key range together (the GPU
 starts programs in grid order, the first axis fastest). A page holds every head's rows
@@ -271,7 +272,7 @@ def unified_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr,
     TRIM_SPLITS: tl.constexpr,  # fixed key ranges; empty ones neither run nor write
     RANGE_LIST: tl.constexpr,  # one program per (request, split) that has keys
-    BLOCK_PER_REQUEST: tl.constexpr,  # every request's queries fit one block: program i is request i
+    BLOCK_PER_REQUEST: tl.constexpr,  # every request's queries fit one block: a program per (head, request, split)
     LAUNCH_DEPENDENTS: tl.constexpr,  # 0, or where: DEPENDENTS_AT_START / _AFTER_KEYS
     DOT_PRECISION: tl.constexpr,
 ):
@@ -300,11 +301,23 @@ def unified_attention_kernel(
             seq = find_owner(RangeStarts, item, num_seqs)
             split = item - tl.load(RangeStarts + seq)
     elif BLOCK_PER_REQUEST:
-        # (decode steps) no search of the request and no empty program: a search costs a
-        # chain of dependent loads before the first key, in every program
-        kv_head = tl.program_id(0)  # a request's heads adjacent (the module's note)
-        seq = tl.program_id(1)
-        split = tl.program_id(2)
+        # (decode steps) no search of the request: a search costs a chain of dependent
+        # loads before the first key, in every program. A request's heads adjacent (the
+        # module's note), then the requests, then the splits
+        if DYNAMIC_SPLITS:
+            # one axis (a CUDA-graph grid: the bounds' requests and splits): on three,
+            # this variant compiled to 156 registers instead of the 126 of the plan's
+            # probe, three programs an SM instead of four (sm_90; H100, the 4 x 32k
+            # graph under split_grid=blocks 204.7 us, 188.1 on one axis; forty-second
+            # session)
+            kv_head = tl.program_id(0) % NUM_KV_HEADS
+            request_split = tl.program_id(0) // NUM_KV_HEADS
+            seq = request_split % num_seqs
+            split = request_split // num_seqs
+        else:
+            kv_head = tl.program_id(0)
+            seq = tl.program_id(1)
+            split = tl.program_id(2)
     else:
         # the last query blocks see the most keys: launch them first, so the final wave
         # of a causal prefill is made of short programs
@@ -315,11 +328,16 @@ def unified_attention_kernel(
         q_block_global = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+    past_splits = False
     if DYNAMIC_SPLITS:
         # this step's (splits, tiles per fixed key range or 0 for even shares)
         num_splits = tl.load(NumSplits)
         tiles_per_split = tl.load(NumSplits + 1)
-        if split >= num_splits:
+        if BLOCK_PER_REQUEST:
+            # tested with the request's queries below, so that the two loads go together:
+            # a program waits for one round trip before its request's keys, not two
+            past_splits = split >= num_splits
+        elif split >= num_splits:
             return
         partial_first = tl.load(NumSplits + 3)
     else:
@@ -335,7 +353,7 @@ def unified_attention_kernel(
     if not RANGE_LIST:  # noqa: SIM102
         if not BLOCK_PER_REQUEST:
             q_block = q_block_global - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
+    if (q_block * BLOCK_Q >= q_len) | past_splits:
         return
     seq_len = tl.load(SeqLens + seq)
     context_len = seq_len - q_len

@@ -14,6 +14,7 @@ each step copies into their own persistent buffers (``_graph_parts_metadata``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -661,12 +662,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # (unsplit too: without the search the m16-n64 D 128 variant takes 128 registers,
         # 4 programs per SM where the search's took 164, 3; its one spilled predicate is
         # stored in the prologue and read in the epilogue, SPILL_SLACK_BYTES)
-        # (a by-request grid puts the requests on its second axis, which CUDA caps)
-        by_request = by_request and range_list is None and num_reqs <= MAX_GRID_Y
+        # (a by-request grid puts the requests on its second axis, which CUDA caps; a
+        # dynamic-split plan's is one axis, the kernel's note)
+        by_request = (
+            by_request and range_list is None and (num_reqs <= MAX_GRID_Y or plan.dynamic_splits)
+        )
         if range_list is None:
             range_starts = unused
             if by_request:  # a request's KV heads adjacent (the kernel's note on order)
                 grid = (s.num_kv_heads, num_reqs, plan.num_splits)
+                if plan.dynamic_splits:
+                    grid = (math.prod(grid), 1, 1)
             else:
                 grid = (query_blocks, s.num_kv_heads, plan.num_splits)
         else:
