@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pagedkv.intmath import cdiv
 from pagedkv.toolkit import dispatch
 from pagedkv.toolkit.dispatch import LaunchArgs
 
@@ -139,6 +140,6 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, props: Any = No
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
     shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-    by_registers = regs_per_sm // max(1, -(-registers // 8) * 8 * threads)
+    by_registers = regs_per_sm // max(1, cdiv(registers, 8) * 8 * threads)
     by_shared = shared_per_sm // (shared_bytes + 1024)
     return min(by_registers, by_shared, threads_per_sm // threads)
