@@ -287,17 +287,22 @@ def unified_attention_kernel(
         # are consecutive programs (the module's note on grid order)
         item = tl.program_id(0) // NUM_KV_HEADS
         kv_head = tl.program_id(0) % NUM_KV_HEADS
-        if item >= tl.load(RangeStarts + num_seqs):
-            return  # past this step's items (a CUDA-graph grid covers the bounds')
-        # a CUDA-graph step of even shares gives every request with keys the same number
-        # of items, the requests without any after them: its owner without a search
+        # a CUDA-graph step of even shares gives every request with queries the same
+        # number of items, the requests without any (padding) after them: an item's
+        # owner is a division, and an item past the step's belongs to a padding request
+        # (no queries: it exits below) or to none. Its program waits for one load (the
+        # count) before its request's, where the list's total was a second in turn
         per_request = 0
         if DYNAMIC_SPLITS:
             per_request = tl.load(NumSplits + 4)
         if per_request > 0:
             seq = item // per_request
+            if seq >= num_seqs:
+                return  # past the bounds' requests
             split = item - seq * per_request
         else:
+            if item >= tl.load(RangeStarts + num_seqs):
+                return  # past this step's items (a CUDA-graph grid covers the bounds')
             seq = find_owner(RangeStarts, item, num_seqs)
             split = item - tl.load(RangeStarts + seq)
     elif BLOCK_PER_REQUEST:
@@ -337,8 +342,10 @@ def unified_attention_kernel(
             # tested with the request's queries below, so that the two loads go together:
             # a program waits for one round trip before its request's keys, not two
             past_splits = split >= num_splits
-        elif split >= num_splits:
-            return
+        # (a listed item is one of its request's splits: at most the step's)
+        elif not RANGE_LIST:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if split >= num_splits:
+                return
         partial_first = tl.load(NumSplits + 3)
     else:
         num_splits = tl.num_programs(2)  # (a static range list holds fixed ranges only)
