@@ -538,13 +538,14 @@ def test_a_grid_beside_another_launch_counts_only_the_free_slots_as_one_wave():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_key_ranges_of_powers_of_two_tie_to_the_fewest_splits(seed):
-    """Among fixed key ranges of powers of two the longest within ``RANGE_TIE`` of the
-    best estimate wins (the fewest splits, as among even shares); among ranges at
-    multiples of them, the best estimate outright (the longest of equal ones)."""
+    """Among fixed key ranges the longest power of two within ``RANGE_TIE`` of the best
+    estimate wins (the fewest splits, as among even shares); a multiple of a power of
+    two only where it beats every power by more than the tie, then the best estimate
+    outright (the longest of equal ones)."""
     policy = SplitPolicy(min_keys_per_split=512, max_splits=64)
     rng = np.random.default_rng(seed)
     base = dict(granule=64, overhead_keys=64, copies=8)
-    tied = 0
+    tied = multiple = 0
     for _ in range(40):
         n = int(rng.integers(8, 200))
         keys = np.minimum(65536, rng.lognormal(0, 1.2, n) * 2048).astype(np.int64) + 16
@@ -558,12 +559,18 @@ def test_key_ranges_of_powers_of_two_tie_to_the_fewest_splits(seed):
                 continue
             ranges = policy.key_range_candidates(float(keys.max()), 64, 64, multiples)
             estimates = policy.key_range_estimates(keys, slots, ranges, listed=True, **base)
-            tie = RANGE_TIE if multiples == (1.0,) else 0.0  # (equal estimates: the longest)
-            bound = estimates.min() * (1 + tie)
-            within = [r for r, e in zip(ranges, estimates) if e <= bound]
-            assert choice.keys_per_split == max(within), (ranges, estimates)
+            bound = estimates.min() * (1 + RANGE_TIE)
+            powers = [r for r, e in zip(ranges, estimates) if e <= bound and is_pow2(r // 64)]
+            best = [r for r, e in zip(ranges, estimates) if e <= estimates.min()]
+            assert choice.keys_per_split == max(powers or best), (ranges, estimates)
             tied += choice.keys_per_split != ranges[int(np.argmin(estimates))]
+            multiple += not is_pow2(choice.keys_per_split // 64)
     assert tied  # the tie decides some of these batches
+    assert multiple  # and some take a multiple of a power of two
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def test_merging_only_the_cut_programs_lets_a_ragged_batch_cut_its_long_ones():

@@ -178,10 +178,11 @@ class SplitPolicy:
         ``overhead_keys``), unless the launch is ``listed``: one program per range that
         holds keys. Ranges are powers of two times ``granule`` times each of
         ``range_multiples`` (whole steps), of at least ``min_keys_per_split`` keys, at most
-        ``max_splits`` per sequence. The best of them (among powers of two alone,
-        ``range_multiples`` (1.0,): the longest within ``RANGE_TIE`` of the best, the
-        fewest splits as among even shares) is taken (``SplitChoice.fixed_ranges``)
-        when its estimate beats even shares' by more than ``MAKESPAN_TIE``.
+        ``max_splits`` per sequence. The best of them is taken
+        (``SplitChoice.fixed_ranges``) when its estimate beats even shares' by more than
+        ``MAKESPAN_TIE``: the longest power of two within ``RANGE_TIE`` of the best
+        estimate (the fewest splits, as among even shares), a multiple of one only where
+        it beats them all by more than that.
 
         ``max_programs``: the most programs (per copy) the launch's grid holds, e.g. a
         CUDA-graph grid sized once for every step; choices past it are not taken (one
@@ -285,9 +286,13 @@ class SplitPolicy:
         )  # fmt: skip
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
-        # ranges ascend: the last within the tie is the longest, the fewest splits
-        tie = RANGE_TIE if tuple(range_multiples) == (1.0,) else 0.0
-        pick = int(np.flatnonzero(estimate <= _min(estimate) * (1 + tie))[-1])
+        # ranges ascend: the last power of two within the tie is the longest, the fewest
+        # splits; a multiple of one is taken only where it beats them by more than the
+        # tie (within it the estimate does not rank them: RANGE_TIE), the best outright
+        near = estimate <= _min(estimate) * (1 + RANGE_TIE)
+        steps_each = np.asarray(ranges, dtype=np.int64)
+        powers = near & ((steps_each & (steps_each - 1)) == 0)
+        pick = int(np.flatnonzero(powers if powers.any() else estimate <= _min(estimate))[-1])
         return (
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
@@ -503,14 +508,21 @@ RANGE_TAIL_SHARE = 0.5
 # adds partial results to write and merge, which the estimate only approximates)
 MAKESPAN_TIE = 0.05
 # ... among fixed key ranges of powers of two (a CUDA-graph step's, a two-part step's),
-# where the finer of two neighbours writes twice the partials. Among ranges at multiples
-# of powers of two the best estimate wins outright: its ranking there is what the
-# RANGE_TAIL_SHARE fit measured (the first ranked ran at a mean 1.014x of the fastest).
-# H200, Triton backend, twenty-sixth session (docs/triton.md): at 2% GQA 16 took
-# 1024-key ranges in a graph reserved for 32k, 108.1 us against 117.8 for the 512-key
-# ranges of the best estimate, the D 64 mixed step's decodes 98.7 against 102.6; among
-# multiples the tie lost 1-3% on five eager rows (speculative 32 x 8: 2560-key ranges,
-# 185.0 us against 181.1 for 2048)
+# where the finer of two neighbours writes twice the partials. H200, Triton backend,
+# twenty-sixth session (docs/triton.md): at 2% GQA 16 took 1024-key ranges in a graph
+# reserved for 32k, 108.1 us against 117.8 for the 512-key ranges of the best estimate,
+# the D 64 mixed step's decodes 98.7 against 102.6. Where multiples of powers of two are
+# compared too (an eager step's), the tie goes to the longest power of two within it, and
+# a multiple wins only by more than the tie: the tie toward the longest of all lost 1-3%
+# on five eager rows (speculative 32 x 8: 2560-key ranges, 185.0 us against 181.1 for
+# 2048), while within 2% the multiples' own picks ran at most 0.35% faster than the
+# powers of two, and 1.3% slower on speculative 64 x 4 (H100, forty-fourth session, each
+# row's two plans: 364.0 us at 1536 keys against 359.4 at 2048; ragged 128, GQA 1 and
+# B 64 ragged 0.15-0.35% faster at 768 keys than at 1024, ragged 32 long level; the
+# forty-first session's run alike; the H200's sweep, sweep-h200-twelfth-key-ranges.json:
+# the picks' mean 1.014x -> 1.013x of the fastest, the worst 1.054x -> 1.033x). GQA 16
+# ragged keeps its 1792-key ranges: the best power of two is 10% above them by the
+# estimate (6.5% slower measured)
 RANGE_TIE = 0.02
 
 
