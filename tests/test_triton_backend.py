@@ -551,7 +551,7 @@ def test_eager_key_ranges_tie_to_the_longest_power_of_two():
     """Within ``split_kv.RANGE_TIE`` of the best estimate an eager step takes the longest
     power of two of the tile, a multiple of one only where it wins by more: pagedkv
     bench's speculative 64x4 step (1280-key ranges best by the estimate, 2048 1.8%
-    above) takes 2048 (H100: 358.8 us eager against 364.2 at the 1536 of the best
+    above) takes 2048 (H100: 359.4 us eager against 364.0 at the 1536 of the best
     estimate there), GQA 16 ragged (the best power of two 10% above) keeps 1792."""
     rows = {w.name: w for w in MATRICES["standard"]}
     fit = h200_fits("bf16")
