@@ -5,10 +5,11 @@
 ``ranges.json`` is ``benchmarks/triton_sweep.py --key-ranges --json``'s output (any
 GPU). For each row it re-estimates every measured range with the rule as it is now
 (``configs.key_range_estimates``; each row's programs per SM as the sweep compiled
-them, on the GPU's SM count) and prints the range the estimate ranks first, its
-measured time over the fastest range's, and their geometric mean: the figure to keep
-near 1 when the estimate's constants change (docs/triton.md, "The ranges' estimate
-refitted"). Runs on a CPU.
+them, on the GPU's SM count) and prints the range the estimate ranks first and the one
+the rule takes (``split_kv.key_range_pick``: the longest power of two within its tie),
+each one's measured time over the fastest range's, and their geometric means: the
+figures to keep near 1 when the estimate's constants or the tie change (docs/triton.md,
+"The ranges' estimate refitted", "A tie among fixed ranges"). Runs on a CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedkv.backends.triton import configs
 from pagedkv.backends.triton.configs import LayerShape, StepShape, TileConfig
 from pagedkv.bench.workloads import MATRICES
 from pagedkv.toolkit.launch import KernelFit
+from pagedkv.toolkit.split_kv import key_range_pick
 
 WORKLOADS = {w.name: w for w in MATRICES["standard"]}
 
@@ -32,8 +34,11 @@ def parse_tile(name: str) -> TileConfig:
     return TileConfig(int(m[1:]), int(n[1:]), int(w[1:]), int(s[1:]))
 
 
-def rank_rows(trials: list[dict], num_sms: int) -> list[tuple[str, int, float, int, float]]:
-    """Per row: (name, the estimate's pick, its µs, the fastest range, its µs)."""
+def rank_rows(
+    trials: list[dict], num_sms: int
+) -> list[tuple[str, int, float, int, float, int, float]]:
+    """Per row: (name, the estimate's first, its µs, the fastest range, its µs, the
+    rule's pick, its µs)."""
     rows: dict[str, list[dict]] = {}
     for t in trials:
         if t.get("keys_per_split") and t.get("us"):
@@ -53,7 +58,13 @@ def rank_rows(trials: list[dict], num_sms: int) -> list[tuple[str, int, float, i
         estimates = configs.key_range_estimates(layer, step, tile, keys, num_sms, fit)
         pick = min(range(len(keys)), key=lambda i: estimates[i])
         best = min(range(len(keys)), key=lambda i: timed[i]["us"])
-        out.append((name, keys[pick], timed[pick]["us"], keys[best], timed[best]["us"]))
+        order = np.argsort(keys, kind="stable")  # the rule's candidates ascend
+        steps_each = np.asarray(keys)[order] // tile.tile_n
+        rule = int(order[key_range_pick(steps_each, np.asarray(estimates)[order])])
+        out.append(
+            (name, keys[pick], timed[pick]["us"], keys[best], timed[best]["us"],
+             keys[rule], timed[rule]["us"])
+        )  # fmt: skip
     return out
 
 
@@ -67,14 +78,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = rank_rows(trials, args.num_sms)
     if not rows:
         sys.exit(f"{args.sweep_json}: no fixed-range trials (run the sweep with --key-ranges)")
-    print(f"{'row':<24} {'pick':>6} {'us':>8} {'fastest':>8} {'us':>8} {'pick/fastest':>13}")
-    for name, pick, pick_us, best, best_us in rows:
+    print(
+        f"{'row':<24} {'first':>6} {'us':>8} {'rule':>6} {'us':>8} {'fastest':>8} {'us':>8} "
+        f"{'first/fastest':>14} {'rule/fastest':>13}"
+    )
+    for name, pick, pick_us, best, best_us, rule, rule_us in rows:
         print(
-            f"{name:<24} {pick:>6} {pick_us:8.1f} {best:>8} {best_us:8.1f} {pick_us / best_us:13.3f}"
+            f"{name:<24} {pick:>6} {pick_us:8.1f} {rule:>6} {rule_us:8.1f} {best:>8} "
+            f"{best_us:8.1f} {pick_us / best_us:14.3f} {rule_us / best_us:13.3f}"
         )
-    ratios = [pick_us / best_us for _, _, pick_us, _, best_us in rows]
-    mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    print(f"geometric mean {mean:.3f}, worst {max(ratios):.3f}")
+    for label, column in (("the estimate's first", 2), ("the rule's pick", 6)):
+        ratios = [row[column] / row[4] for row in rows]
+        mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"{label}: geometric mean {mean:.3f}, worst {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -286,13 +286,7 @@ class SplitPolicy:
         )  # fmt: skip
         if max_programs is not None:  # the grid's programs, per copy
             estimate[programs / copies > max_programs] = np.inf
-        # ranges ascend: the last power of two within the tie is the longest, the fewest
-        # splits; a multiple of one is taken only where it beats them by more than the
-        # tie (within it the estimate does not rank them: RANGE_TIE), the best outright
-        near = estimate <= _min(estimate) * (1 + RANGE_TIE)
-        steps_each = np.asarray(ranges, dtype=np.int64)
-        powers = near & ((steps_each & (steps_each - 1)) == 0)
-        pick = int(np.flatnonzero(powers if powers.any() else estimate <= _min(estimate))[-1])
+        pick = key_range_pick(np.asarray(ranges), estimate)
         return (
             SplitChoice(int(splits[pick]), int(ranges[pick] * granule), fixed_ranges=True),
             float(estimate[pick]),
@@ -348,6 +342,19 @@ class SplitPolicy:
         keys = cdiv(cdiv(max_seq_len, splits), granule) * granule
         # no split is empty for the longest sequence
         return SplitChoice(cdiv(max_seq_len, keys), keys)
+
+
+def key_range_pick(steps_each: np.ndarray, estimates: np.ndarray) -> int:
+    """The index of the fixed key range ``choose_by_makespan`` takes among ranges of
+    ``steps_each`` granules (ascending) with ``estimates``: the longest power of two within
+    ``RANGE_TIE`` of the best estimate (the fewest splits), else the best outright (the
+    longest of equal ones). Within the tie the estimate does not rank the ranges."""
+    steps_each = np.asarray(steps_each, dtype=np.int64)
+    best = estimates <= _min(estimates)
+    powers = (estimates <= _min(estimates) * (1 + RANGE_TIE)) & (
+        (steps_each & (steps_each - 1)) == 0
+    )
+    return int(np.flatnonzero(powers if powers.any() else best)[-1])
 
 
 def tile_keys(
