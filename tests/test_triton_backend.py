@@ -215,6 +215,94 @@ def test_fixed_key_range_splits_match_reference(scenario, split_grid):
     _check(scenario, split_grid=split_grid)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_splits=4), dict(), dict(split_grid="blocks")],
+    ids=["even-shares", "key-ranges-listed", "key-ranges-by-request"],
+)
+def test_split_decodes_merge_in_their_last_program(options):
+    """A split launch of one query block per request launches no merge: the program
+    that counts its block's last split merges them all (``MERGE_LAST``), with the sinks,
+    and leaves the block's counter at zero for the next launch. Two forwards in a row
+    give the separate merge's answer; a programmatic launch has no dependent to start."""
+    scenario = RANGE_SCENARIOS[1]  # speculative rows, sinks and a softcap, fp32
+    problem = build_problem(scenario, DEVICE)
+    cache = pagedkv.get_backend("triton").allocate_kv_cache(
+        problem.num_blocks, problem.spec, DEVICE
+    )
+    cache.normal_(generator=torch.Generator(DEVICE).manual_seed(0))
+    answers = {}
+    for merge in ("auto", "separate"):
+        backend = pagedkv.get_backend("triton", split_merge=merge, **options)
+        builder = backend.make_builder(problem.spec, DEVICE)
+        builder.programmatic = True  # as on an H100: the merge launch would be dependent
+        builder.num_sms = 132  # (one wave: ``_merges_in_attention``)
+        (part,) = builder.build(problem.common).parts
+        assert part.plan.split and part.plan.num_splits > 2, part.plan
+        merged_last = part.attention.kwargs["MERGE_LAST"]
+        assert merged_last == (merge == "auto") == (part.reduce is None)
+        assert part.attention.kwargs["LAUNCH_DEPENDENTS"] == (0 if merged_last else 1)
+        builder.programmatic = False  # (the interpreter's: no programmatic launch)
+        md = builder.build(problem.common)
+        impl = backend.make_impl(problem.spec, sinks=problem.sinks)
+        outs = [impl.forward(problem.query, None, None, cache, md) for _ in range(2)]
+        if merged_last:
+            # every block's counts back at zero (its last column: its splits)
+            assert not builder._counts[:, :-1].any()
+        n = problem.common.num_actual_tokens
+        torch.testing.assert_close(outs[1][:n], outs[0][:n], atol=0, rtol=0)
+        answers[merge] = outs[0][:n]
+    torch.testing.assert_close(answers["auto"], answers["separate"], atol=1e-5, rtol=1e-5)
+    _check(scenario, **options)
+
+
+def _decodes_on_consecutive_pages(seq_lens: list[int]) -> CommonAttentionMetadata:
+    """A decode step of ``seq_lens``, each request's pages after the previous one's
+    (block 0 left as the null block), pages of 16."""
+    blocks, first = [], 1
+    for n in seq_lens:
+        blocks.append(list(range(first, first + -(-n // 16))))
+        first += len(blocks[-1])
+    return CommonAttentionMetadata.from_requests(seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE)
+
+
+@pytest.mark.parametrize("rounds, values", [(0, 4096), (1, 256), (64, 4096)])
+def test_a_reserved_decode_step_merges_where_its_splits_take_few_rounds(
+    monkeypatch, rounds, values
+):
+    """Under a CUDA-graph reservation the decode launch is compiled to merge in its last
+    program of each block and captures the merge kernel too: each step's build picks
+    one (``_merges_in_attention``: one wave of programs, at most ``MERGE_ROUNDS`` rounds
+    of the block's loads; here none, one of 4 splits, or any), written where both
+    kernels read it (NumSplits[5]). Every step attends as an eager step does, its
+    counters back at zero."""
+    from pagedkv.backends.triton import builder as triton_builder
+    from pagedkv.backends.triton import configs as triton_configs
+
+    monkeypatch.setattr(triton_builder, "MERGE_ROUNDS", rounds)
+    monkeypatch.setattr(triton_configs, "MERGE_TILE_VALUES", values)
+    bounds = GraphBounds(max_num_reqs=3, max_num_tokens=3, max_blocks_per_req=320, max_query_len=1)
+    reserved, eager_builder, impl, cache = _reserved(bounds, 400, dict(num_heads=4))
+    reserved.num_sms = 132  # (every step one wave)
+    gen = torch.Generator().manual_seed(5)
+    merged = set()
+    for seq_lens in ([5000], [2500, 1200, 30], [40, 60, 50]):
+        common = _decodes_on_consecutive_pages(seq_lens)
+        md = reserved.build(common)
+        (part,) = md.parts
+        assert part.attention.kwargs["MERGE_LAST"] and part.reduce.kwargs["SKIP_MERGED"]
+        here = bool(part.attention.kwargs["NumSplits"].tolist()[5])
+        assert here == (md.step_splits <= rounds * part.attention.kwargs["MERGE_CHUNK"])
+        merged.add(here)
+        q = torch.randn(3, 4, 32, generator=gen).half().to(DEVICE)
+        n = len(seq_lens)
+        want = impl.forward(q[:n], None, None, cache, eager_builder.build(common, num_splits=1))
+        got = impl.forward(q, None, None, cache, md)[:n]
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        assert not reserved._counts[:, :-1].any()
+    assert merged == ({False} if rounds == 0 else {True} if rounds == 64 else {False, True})
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_split_merge_takes_blocks_of_heads(batch_invariant):
     """One merge program per (token, block of query heads): 6 heads of 80 (padded to
@@ -226,7 +314,12 @@ def test_split_merge_takes_blocks_of_heads(batch_invariant):
         "head-blocks", seq_lens=(1100, 3, 200, 64), query_lens=(1, 1, 1, 1), num_heads=6,
         num_kv_heads=3, head_size=80, use_sinks=True, num_padding_tokens=2,
     )  # fmt: skip
-    options = dict(batch_invariant=True) if batch_invariant else dict(num_splits=7)
+    # (the separate merge: a decode step's split launch otherwise merges in its programs)
+    options = (
+        dict(batch_invariant=True)
+        if batch_invariant
+        else dict(num_splits=7, split_merge="separate")
+    )
     problem = build_problem(scenario, DEVICE)
     metadata = (pagedkv.get_backend("triton", **options).make_builder(problem.spec, DEVICE)).build(
         problem.common
@@ -302,7 +395,7 @@ def test_a_two_part_step_launches_its_longer_part_first_when_overlapped():
     first, each part's launches in their own order."""
     scenario = next(s for s in SCENARIOS if s.name.startswith("two-parts"))
     problem = build_problem(scenario, DEVICE)
-    backend = pagedkv.get_backend("triton")
+    backend = pagedkv.get_backend("triton", split_merge="separate")  # the decodes' merge too
     md = backend.make_builder(problem.spec, DEVICE).build(problem.common)
     impl = backend.make_impl(problem.spec)
     cache = backend.allocate_kv_cache(problem.num_blocks, problem.spec, DEVICE)
@@ -970,7 +1063,7 @@ def test_reserved_even_shares_find_each_items_request_by_a_division():
             [2500] * num_reqs, [1] * num_reqs, blocks, 16, DEVICE
         )
         md = builder.build(common)
-        splits, _, _, _, per_request = md.parts[0].attention.kwargs["NumSplits"].tolist()
+        splits, _, _, _, per_request, _ = md.parts[0].attention.kwargs["NumSplits"].tolist()
         assert not md.step_choice.fixed_ranges and splits > 1 and per_request == splits
         n = common.num_tokens
         q = torch.randn(4, 4, 32, generator=gen).half().to(DEVICE)
@@ -1002,8 +1095,10 @@ def test_reserved_decode_steps_choose_their_own_splits():
         plan = md.plan
         assert plan.dynamic_splits and plan.num_splits > 1
         num_splits = md.parts[0].attention.kwargs["NumSplits"]
-        assert num_splits is md.parts[0].reduce.kwargs["NumSplits"]
-        splits, tiles, keys, partial_first, per_request = num_splits.tolist()
+        # (each block's last split merges them, or the merge kernel a step of more)
+        assert md.parts[0].attention.kwargs["MERGE_LAST"]
+        assert md.parts[0].reduce.kwargs["SKIP_MERGED"]
+        splits, tiles, keys, partial_first, per_request, _merged = num_splits.tolist()
         assert partial_first == 0  # a pure-decode step's partials: the step's rows
         assert splits == md.step_splits and 1 <= md.step_splits <= plan.num_splits
         choice = md.step_choice  # even shares (0) or fixed key ranges of whole tiles
@@ -1087,7 +1182,7 @@ def test_each_row_is_merged_in_the_narrowest_tile_that_holds_its_splits(monkeypa
     monkeypatch.setattr(triton_builder, "REDUCE_MIN_WIDTH", 2)
     bounds = GraphBounds(max_num_reqs=3, max_num_tokens=3, max_blocks_per_req=320, max_query_len=1)
     layer = dict(num_heads=heads, head_size=32 if heads == 4 else 64)
-    reserved, eager_builder, _, cache = _reserved(bounds, 400, layer)
+    reserved, eager_builder, _, cache = _reserved(bounds, 400, layer, split_merge="separate")
     sinks = torch.linspace(-1.0, 2.0, heads, device=DEVICE)
     impl = pagedkv.get_backend("triton").make_impl(
         reserved.spec.replace(use_sinks=True), sinks=sinks
@@ -1095,13 +1190,7 @@ def test_each_row_is_merged_in_the_narrowest_tile_that_holds_its_splits(monkeypa
     gen = torch.Generator().manual_seed(4)
     widths = set()
     for seq_lens in ([5000], [2500, 1200, 30], [40, 60, 50], [5000, 40, 300]):
-        blocks, first = [], 1
-        for n in seq_lens:
-            blocks.append(list(range(first, first + -(-n // 16))))
-            first += len(blocks[-1])
-        common = CommonAttentionMetadata.from_requests(
-            seq_lens, [1] * len(seq_lens), blocks, 16, DEVICE
-        )
+        common = _decodes_on_consecutive_pages(seq_lens)
         md = reserved.build(common)
         reduce = md.parts[0].reduce
         assert reduce.kwargs["MIN_WIDTH"] == 2 < reduce.kwargs["SPLIT_PAD"], md.describe()
@@ -1809,7 +1898,9 @@ def test_a_split_chunk_beside_decodes_launches_its_reduction_after_its_keys(over
         DEPENDENTS_AT_START,
     )
 
-    builder, common = _h100_fp8_builder("fp8-mixed", graph, overlap_parts=overlap)
+    builder, common = _h100_fp8_builder(
+        "fp8-mixed", graph, overlap_parts=overlap, split_merge="separate"
+    )
     builder.programmatic = True  # as on an H100
     decodes, longer = builder.build(common).parts
     assert decodes.plan.split and longer.plan.split and longer.gluon is None

@@ -34,6 +34,13 @@ splits)`` (a CUDA-graph plan's: one axis of as many programs, in that order), so
 program searches for its request (``find_sequence``: a chain of dependent loads before
 the first key).
 
+``MERGE_LAST`` (a split launch of one query block per request that fits one wave, the
+builder's ``_merges_in_attention``): no merge kernel follows; each program counts its
+split on its block's counter once its partials are stored, and the program that counts
+the last merges them all (``reduce_kernel.merge_own_splits``) and writes the output. A
+CUDA-graph launch compiled with it merges so only where the step's build chose it
+(``NumSplits[5]``); otherwise its captured merge kernel does.
+
 Both decode grids start the KV heads of one request's key range together (the GPU
 starts programs in grid order, the first axis fastest). A page holds every head's rows
 of its tokens, so the programs that run at once read whole stretches of memory rather
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from pagedkv.backends.triton.reduce_kernel import merge_own_splits
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
 
@@ -59,6 +67,8 @@ DEPENDENTS_AT_START = 1
 DEPENDENTS_AFTER_KEYS = 2
 _AT_START = tl.constexpr(DEPENDENTS_AT_START)
 _AFTER_KEYS = tl.constexpr(DEPENDENTS_AFTER_KEYS)
+# MERGE_LAST's splits of a block, stored as first split * _SPLIT_FIELD + count
+_SPLIT_FIELD = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -231,8 +241,9 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
-    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token, items per request or 0 (DYNAMIC_SPLITS)
+    NumSplits,  # [6] int32: splits, tiles and keys per range, partials' first token, items per request or 0, merged here (DYNAMIC_SPLITS)
     RangeStarts,  # [num_seqs + 1] int32: each request's first work item, then the total (RANGE_LIST)
+    SplitCounts,  # [T, NUM_KV_HEADS + 1] int32 by a block's first token: counts, zero between launches, then the splits (MERGE_LAST)
     num_seqs,
     qk_scale,  # softmax scale * k_scale (* log2(e) unless USE_SOFTCAP)
     softcap,
@@ -274,6 +285,9 @@ def unified_attention_kernel(
     RANGE_LIST: tl.constexpr,  # one program per (request, split) that has keys
     BLOCK_PER_REQUEST: tl.constexpr,  # every request's queries fit one block: a program per (head, request, split)
     LAUNCH_DEPENDENTS: tl.constexpr,  # 0, or where: DEPENDENTS_AT_START / _AFTER_KEYS
+    MERGE_LAST: tl.constexpr,  # (one query block per request) a block's last split merges
+    MERGE_ROWS: tl.constexpr,  # (MERGE_LAST) BLOCK_Q * GROUP, to a power of two
+    MERGE_CHUNK: tl.constexpr,  # (MERGE_LAST) splits the merge loads at once
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
@@ -434,6 +448,30 @@ def unified_attention_kernel(
         if (first >= last) & (tiles_per_split > 0):
             return
 
+    if MERGE_LAST:
+        # the splits of this request that write (those the merge reads): the launch's
+        # count; of fixed ranges, those that hold some of the block's keys (a list's
+        # items of the request, without its starts' loads: those in the prologue took
+        # the listed CUDA-graph variant to 162 registers). Stored beside the block's
+        # counters, not kept through the main loop: an m16 decode's loop holds 126 of
+        # the 128 registers that keep four programs an SM, and one more value live
+        # across it took that variant to 158 (three programs an SM; sm_90, forty-fifth
+        # session)
+        split_lo = 0
+        split_hi = num_splits
+        if TRIM_SPLITS:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if tiles_per_split > 0:
+                split_lo = tile_lo // tiles_per_split
+                split_hi = tl.cdiv(tile_hi, tiles_per_split)
+                # (a static list's launch holds no count: its items end at the keys')
+                if DYNAMIC_SPLITS or not RANGE_LIST:
+                    split_hi = tl.minimum(split_hi, num_splits)
+        # (every program of the block stores the same value)
+        tl.store(
+            SplitCounts + q_start * (NUM_KV_HEADS + 1) + NUM_KV_HEADS,
+            split_lo * _SPLIT_FIELD + (split_hi - split_lo),
+        )
+
     block_table_row = BlockTable + seq.to(tl.int64) * stride_bt
     k_head_offset = kv_head.to(tl.int64) * stride_kh
     v_head_offset = kv_head.to(tl.int64) * stride_vh
@@ -474,6 +512,43 @@ def unified_attention_kernel(
         stat = part_row * stride_mt + head * stride_mh + split
         tl.store(PartMax + stat, m_i, mask=row_ok)
         tl.store(PartSum + stat, l_i, mask=row_ok)
+        if MERGE_LAST:
+            # the block's row of counters (one per KV head, then its splits) is its first
+            # token's, found from the rows this program keeps for its stores
+            first_row = tl.min(token_row)
+            block_counts = SplitCounts + first_row * (NUM_KV_HEADS + 1)
+            counter = block_counts + tl.min(head) // GROUP
+            merge_splits = tl.load(block_counts + NUM_KV_HEADS, cache_modifier=".cg")
+            merges = True
+            if DYNAMIC_SPLITS:
+                # a CUDA-graph step merges here or in the merge kernel (the launch's),
+                # as the step's build chose (read here, not kept from the prologue: the
+                # registers above)
+                merges = tl.load(NumSplits + 5) != 0
+            done = -1
+            if merges:
+                # every thread's partials stored before the count (a release at GPU
+                # scope); the program that counts the block's last split reads them all
+                tl.debug_barrier()
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == merge_splits % _SPLIT_FIELD - 1:
+                tl.store(counter, 0)  # for the next launch (a CUDA graph's replay too)
+                split_lo = merge_splits // _SPLIT_FIELD
+                split_hi = split_lo + merge_splits % _SPLIT_FIELD
+                block_tokens = tl.max(tl.where(row_ok, token_row, first_row)) - first_row + 1
+                merge_rows = tl.arange(0, MERGE_ROWS)
+                merge_token = merge_rows // GROUP
+                merge_ok = (merge_rows < BLOCK_Q * GROUP) & (merge_token < block_tokens)
+                out_rows = first_row + merge_token
+                part_rows = out_rows
+                if DYNAMIC_SPLITS:
+                    part_rows = out_rows - tl.load(NumSplits + 3)
+                merge_own_splits(
+                    Out, PartAcc, PartMax, PartSum, Sinks, out_rows, part_rows,
+                    tl.min(head) + merge_rows % GROUP, merge_ok, split_lo, split_hi,
+                    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                    stride_mh, HEAD_SIZE, HEAD_PAD, MERGE_ROWS, MERGE_CHUNK, USE_SINKS,
+                )  # fmt: skip
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]

@@ -76,6 +76,14 @@ class TritonBackend(AttentionBackend):
             "its keys are empty programs; for comparison)",
             choices=("auto", "blocks"),
         ),
+        "split_merge": BackendOption(
+            default="auto",
+            help="split launches: auto (a launch of one query block per request, decodes "
+            "and speculative decodes, merges each block's splits in the program that "
+            "writes its last one: no merge launch), separate (a merge kernel after every "
+            "split launch; for comparison)",
+            choices=("auto", "separate"),
+        ),
         "overlap_parts": BackendOption(
             default=True,
             help="a step of decodes and longer requests runs the two launches on two "

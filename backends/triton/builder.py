@@ -28,10 +28,12 @@ from pagedkv.backends.triton.attention_kernel import (
     unified_attention_kernel,
 )
 from pagedkv.backends.triton.configs import (
+    MERGE_ROUNDS,
     REDUCE_MIN_WIDTH,
     REDUCE_TILE_VALUES,
     SPLIT_POLICY,
     FitSource,
+    LaunchForm,
     LayerShape,
     StepPart,
     StepShape,
@@ -39,12 +41,16 @@ from pagedkv.backends.triton.configs import (
     TilePlan,
     check_forced_splits,
     graph_items,
+    merge_chunk,
+    merge_rows,
+    merges_last,
     one_block_per_request,
     plan_step,
     plan_tiles,
     portable_us,
     range_list_choice,
     reduce_tile,
+    slots_per_sm,
     step_splits,
     work_items,
 )
@@ -178,6 +184,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.batch_invariant = bool(options.get("batch_invariant"))
         # split launches may list their work items (the kernel's RANGE_LIST)
         self.listing = options.get("split_grid", "auto") == "auto"
+        # a split launch of one query block per request merges in its last program of
+        # each block (the kernel's MERGE_LAST), not in a second launch
+        self.merge_last = options.get("split_merge", "auto") == "auto"
+        # the MERGE_LAST launches' counts of written splits (``_split_counts``)
+        self._counts: torch.Tensor | None = None
         self.layer = LayerShape.of(spec)
         self.num_sms = num_sms(self.device)
         # a split launch's reduction starts during the attention kernel's last programs
@@ -302,7 +313,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             chosen = step_splits(
                 layer, requests, parts[0].plan, self.num_sms, self.fits, listed, max_items
             )
-            num_splits = self._write_step_splits(chosen, parts[0].plan, requests)
+            num_splits = self._write_step_splits(
+                chosen,
+                parts[0].plan,
+                requests,
+                query_rows=min(parts[0].plan.block_q, step.max_query_len),
+                listed=listed,
+            )
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
             parts = (dataclasses.replace(parts[0], first=0, end=common.num_reqs),)
@@ -332,8 +349,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     ),
                     range_list=range_list,
                     by_request=one_block_per_request(planned, part.plan.block_q),
+                    query_rows=min(part.plan.block_q, planned.max_query_len),
                     choice=chosen if part.plan.dynamic_splits else None,
                     beside=not whole and planned.max_query_len > SPLIT_POLICY.max_query_len,
+                    step_tokens=common.num_tokens,
                 )
             )
         return TritonMetadata(common, layer, tuple(launches))
@@ -411,7 +430,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 None,
                 role="decodes",
                 range_list=range_list,
+                step_tokens=common.num_tokens,
                 by_request=True,
+                query_rows=1,
                 choice=decode_choice,
             ),
             self._part_launches(
@@ -423,6 +444,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 role="longer requests",
                 choice=longer_choice,
                 beside=True,
+                step_tokens=common.num_tokens,
             ),
         )
         return TritonMetadata(common, layer, launches)
@@ -460,8 +482,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             else SplitChoice(1, plan.tile.tile_n)
         )
         first_token = int(common.query_start_loc_cpu[run[0]])
+        # (a mixed reservation's decodes: one query each; its longer requests' launch
+        # holds blocks of several queries and no MERGE_LAST)
+        query_rows = 1 if name == "decodes" else plan.block_q
         num_splits = self._write_step_splits(
-            chosen, plan, requests, first_token, buffer=f"{name}_num_splits"
+            chosen, plan, requests, query_rows, listed, first_token, buffer=f"{name}_num_splits"
         )
         return partials, num_splits, chosen
 
@@ -499,22 +524,35 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         chosen: SplitChoice,
         plan: TilePlan,
         step: StepShape,
+        query_rows: int,
+        listed: bool,
         partial_first: int = 0,
         buffer: str = "num_splits",
     ) -> torch.Tensor:
         """The device buffer the captured kernels of a dynamic-split plan read: this
         step's split count, the tiles and keys of a fixed range (0: even shares), the
-        token row its partials start at, and the work items of each of ``step``'s
-        requests when a list's item can find its request by a division (even shares,
-        the requests without queries after the others), else 0 (a search)."""
+        token row its partials start at, the work items of each of ``step``'s requests
+        when a list's item can find its request by a division (even shares, the requests
+        without queries after the others), else 0 (a search), and whether the attention
+        kernel merges this step's splits (MERGE_LAST: ``_merges_in_attention``; a
+        launch compiled without it reads none). ``query_rows``: the rows of a query
+        block that may hold tokens; ``listed``: the launch lists its work items."""
         tile_n = plan.tile.tile_n
         tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
         live = step.query_lens > 0
         per_request = 0
         if not chosen.fixed_ranges and live[: int(live.sum())].all():
             per_request = chosen.num_splits
-        num_splits = self.scratch(buffer, (5,), torch.int32)
-        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request]
+        if listed:
+            programs = int(work_items(step, chosen).sum())
+        else:
+            programs = int(live.sum()) * chosen.num_splits
+        form = LaunchForm.KEY_RANGES if listed or chosen.fixed_ranges else LaunchForm.EVEN_SHARES
+        merged = self._merges_in_attention(
+            plan, query_rows, chosen.num_splits, programs * self.spec.num_kv_heads, form
+        )
+        num_splits = self.scratch(buffer, (6,), torch.int32)
+        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request, merged]
         num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
         return num_splits
 
@@ -613,6 +651,39 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         held = min(1.0, gluon_program_us(self.layer.head_size, longer.max_seq_len) / decodes_us)
         return 1.0 - programs * held / self.num_sms
 
+    def _split_counts(self, num_tokens: int) -> torch.Tensor:
+        """The MERGE_LAST launches' counters: a row per token, the block that starts at
+        it (a request's) counts its written splits there, one count per KV head, then
+        its splits. The counts are zero between launches, as each block's merging program
+        leaves them; so one buffer serves every step, its parts by their own tokens (they
+        may run at once). Under a CUDA-graph reservation it holds the bounds' tokens
+        from the first build on, so that its captured address holds."""
+        bounds, heads = self.graph_bounds, self.spec.num_kv_heads
+        rows = num_tokens if bounds is None else max(bounds.max_num_tokens, num_tokens)
+        if self._counts is None or self._counts.shape[0] < rows:
+            self._counts = torch.zeros(rows, heads + 1, dtype=torch.int32, device=self.device)
+        return self._counts
+
+    def _merges_in_attention(
+        self, plan: TilePlan, query_rows: int, splits: int, programs: int, form: LaunchForm
+    ) -> bool:
+        """Whether a split launch of one query block per request that may merge in its
+        last program of each block (MERGE_LAST) does, for ``splits`` splits a request
+        and ``programs`` programs in ``form``: where the launch fits one wave of the
+        SMs, and each block's merge takes at most ``MERGE_ROUNDS`` rounds of loads.
+        Each program then counts its split (an atomic after its stores) and the last
+        merges, one round after another: in one wave that replaces the merge kernel's
+        launch at the end; over several, every program's count lengthens the waves.
+        H100 (forty-fifth session, graph replays, µs, merge kernel -> in the attention):
+        4 x 32k (512 programs, 16 splits, 2 rounds) 181.3 -> 180.5, 4 x 2048 14.9 ->
+        14.5; 2 x 8192 (4 rounds) 32.3 -> 32.7, 1 x 4096 (4 rounds) 11.0 -> 12.4;
+        64 ragged short (4,096 programs, one round) 85.0 -> 89.7."""
+        if not (self.merge_last and merges_last(self.layer, query_rows)):
+            return False
+        slots = slots_per_sm(self.layer, plan.tile, form, self.fits) * self.num_sms
+        chunk = merge_chunk(plan, self.layer, query_rows)
+        return splits <= MERGE_ROUNDS * chunk and programs <= slots
+
     def _dependents_at(self, plan: TilePlan, beside: bool) -> int:
         """Where a split launch's programs let its reduction launch (the kernel's
         ``LAUNCH_DEPENDENTS``; 0: not a programmatic launch). At their start, where the
@@ -640,16 +711,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         role: str | None = None,
         range_list: tuple[torch.Tensor, int] | None = None,
         by_request: bool = False,
+        query_rows: int | None = None,
         choice: SplitChoice | None = None,
         beside: bool = False,
+        step_tokens: int = 0,
     ) -> PartLaunches:
         """The launch templates of one part: its requests' metadata tensors (``views``)
         and its grid; ``gluon``: its Gluon launch, if it takes one; ``range_list``: the
         work items of a range-list launch (``_range_list``); ``by_request``: every
         request's queries fit one query block (an unlisted launch then takes one program
-        per request); ``choice``: the step's splits under a dynamic-split plan;
+        per request); ``query_rows``: the rows of a query block that may hold tokens
+        (the launch's longest query, at most the block; None: the block); ``choice``: the step's splits under a dynamic-split plan;
         ``beside``: the longer requests of a two-part step, whose launch the decodes'
-        runs beside where the impl overlaps the parts (``_dependents_at``)."""
+        runs beside where the impl overlaps the parts (``_dependents_at``);
+        ``step_tokens``: the step's tokens, which the parts' query rows index."""
         s, layer, unused, plan = self.spec, self.layer, self._unused, part.plan
         qsl, seq_lens, table = views.query_start_loc, views.seq_lens, views.block_table
         num_reqs, num_tokens, query_blocks = views.num_reqs, views.num_tokens, views.query_blocks
@@ -667,6 +742,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         by_request = (
             by_request and range_list is None and (num_reqs <= MAX_GRID_Y or plan.dynamic_splits)
         )
+        # one query block per request: its programs' last merges the block's splits (the
+        # batch-invariant mode keeps the ordered merge, one arithmetic for every step)
+        rows = plan.block_q if query_rows is None else max(query_rows, 1)
+        merge_last = (
+            self.merge_last
+            and plan.split
+            and not plan.ordered_reduction
+            and (range_list is not None or by_request)
+            and merges_last(layer, rows)
+        )
         if range_list is None:
             range_starts = unused
             if by_request:  # a request's KV heads adjacent (the kernel's note on order)
@@ -678,6 +763,19 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         else:
             range_starts, items = range_list
             grid = (items * s.num_kv_heads, 1, 1)  # an item's heads adjacent (the kernel's)
+        # a static plan merges in its attention kernel where ``_merges_in_attention``
+        # says so, else launches the merge kernel; a CUDA-graph plan captures both, each
+        # step's choice in NumSplits[5] (``_write_step_splits``), read by both kernels
+        if merge_last and not plan.dynamic_splits:
+            form = (
+                LaunchForm.KEY_RANGES
+                if range_list is not None or plan.tiles_per_split > 0
+                else LaunchForm.EVEN_SHARES
+            )
+            merge_last = self._merges_in_attention(
+                plan, rows, plan.num_splits, math.prod(grid), form
+            )
+        split_counts = self._split_counts(max(step_tokens, num_tokens)) if merge_last else unused
         attention = KernelLaunch(
             unified_attention_kernel,
             grid,
@@ -692,6 +790,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 AlibiSlopes=unused,
                 NumSplits=num_splits,
                 RangeStarts=range_starts,
+                SplitCounts=split_counts,
                 num_seqs=num_reqs,
                 tiles_per_split=plan.tiles_per_split,
                 stride_bt=table.stride(0),
@@ -713,14 +812,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 TRIM_SPLITS=plan.trim_splits,
                 RANGE_LIST=range_list is not None,
                 BLOCK_PER_REQUEST=by_request,
-                LAUNCH_DEPENDENTS=self._dependents_at(plan, beside),
+                LAUNCH_DEPENDENTS=(
+                    0
+                    if merge_last and not plan.dynamic_splits
+                    else self._dependents_at(plan, beside)
+                ),
+                MERGE_LAST=merge_last,
+                MERGE_ROWS=merge_rows(layer, rows) if merge_last else 1,
+                MERGE_CHUNK=merge_chunk(plan, layer, rows) if merge_last else 1,
                 DOT_PRECISION="ieee" if layer.fp32 else "tf32",
                 num_warps=t.num_warps,
                 num_stages=t.num_stages,
             ),
         )
         reduce = None
-        if plan.split:
+        if plan.split and not (merge_last and not plan.dynamic_splits):
             # rows merge fewer splits than the most: per step (a CUDA-graph plan), per
             # request (fixed key ranges)
             narrow = plan.trim_splits or plan.dynamic_splits
@@ -762,6 +868,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     TRIM_SPLITS=plan.trim_splits,
                     CAUSAL=s.causal,
                     WAIT_FOR_PRIMARY=self.programmatic,
+                    # (a CUDA-graph plan's: each step's choice, NumSplits[5])
+                    SKIP_MERGED=merge_last,
                     num_warps=reduce_warps,
                     # Triton's interpreter takes no launch_pdl
                     **({"launch_pdl": True} if self.programmatic else {}),

@@ -1098,3 +1098,39 @@ def reduce_tile(split_pad: int, head_pad: int, num_heads: int, ordered: bool) ->
     fit = max(1, REDUCE_TILE_VALUES // (width * head_pad))
     block_h = min(prev_power_of_2(fit), next_power_of_2(num_heads))
     return block_h, 8 if block_h * width * head_pad > 8192 else 4
+
+
+# values the attention kernel's merging program (MERGE_LAST) loads at once: 32 a thread
+# at four warps. It merges after its main loop, whose registers bind it: 8 splits of a
+# decode's 4 rows x D 128 kept the listed CUDA-graph variant at 128 registers (four
+# programs an SM), 16 took it to 153 (sm_90, forty-fifth session)
+MERGE_TILE_VALUES = 4096
+# the most rounds of loads a block's merging program takes (``merge_chunk`` splits a
+# round): its rounds are one after the other, at the launch's end for its last block,
+# where the merge kernel loads every row at once (the builder's ``_merges_in_attention``)
+MERGE_ROUNDS = 2
+
+
+def merge_rows(layer: LayerShape, query_rows: int) -> int:
+    """The rows a block's merging program holds (its MERGE_ROWS): the block's query
+    rows that may hold tokens (``query_rows``: at most the launch's longest query, one
+    for decodes) times the GQA group, to a power of two. A decode's m16 block holds one
+    token's 4 rows of GQA 4: merged as its 16, its tile held four times the values."""
+    return next_power_of_2(query_rows * layer.group)
+
+
+def merges_last(layer: LayerShape, query_rows: int) -> bool:
+    """Whether a split launch of one query block per request may merge in its last
+    program of each block (MERGE_LAST): where the block's rows take at most half of
+    ``MERGE_TILE_VALUES`` (decodes of GQA groups up to 16 at D 128), so that a round
+    loads two splits or more. A block of a chunk's queries (64 rows and more) merged in
+    a program that holds its m64 tile's registers: 255 registers and a spill (sm_90,
+    D 128)."""
+    return merge_rows(layer, query_rows) * layer.head_pad <= MERGE_TILE_VALUES // 2
+
+
+def merge_chunk(plan: TilePlan, layer: LayerShape, query_rows: int) -> int:
+    """Splits the merging program of a block loads in one round (its MERGE_CHUNK): as
+    many of its rows' partials as ``MERGE_TILE_VALUES`` hold, at most the plan's."""
+    fit = max(1, MERGE_TILE_VALUES // (merge_rows(layer, query_rows) * layer.head_pad))
+    return min(prev_power_of_2(fit), next_power_of_2(plan.num_splits))

@@ -89,6 +89,9 @@ class CompiledFits:
                 _PROBE_REQUESTS, s.num_heads, s.head_size, dtype=s.dtype, device=self.device
             )
             builder = TritonMetadataBuilder(s, self.device, **self.options)
+            # the probe's own plans take the estimate's fits: its builder's would probe
+            # through it again (a launch's MERGE_LAST asks how many programs an SM holds)
+            builder.fits = None
             # a layer with sinks compiles its variant with them (their values do not matter)
             sinks = None
             if s.use_sinks:

@@ -13,6 +13,10 @@ the split count is read from ``NumSplits`` on the device (a CUDA-graph plan, who
 count changes from step to step within the partials' width), with the token row the
 partials start at.
 
+``SKIP_MERGED`` (a CUDA-graph launch whose attention kernel may merge, ``MERGE_LAST``):
+a step whose build chose the attention's merge (``NumSplits[5]``) exits at once.
+``merge_own_splits`` is that merge: one block's rows, their splits in rounds.
+
 ``TRIM_SPLITS`` (splits of fixed key ranges): a row merges only the ranges below its
 last visible key, the only ones the attention kernel wrote for it.
 
@@ -123,6 +127,65 @@ def _write_rows(Out, acc, total, token, heads, head_ok, dims, stride_ot, stride_
     )
 
 
+@triton.jit
+def merge_own_splits(
+    Out, PartAcc, PartMax, PartSum, Sinks, out_rows, part_rows, heads, row_ok, split_lo,
+    split_hi, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):  # fmt: skip
+    """Merge splits ``[split_lo, split_hi)`` of the rows (``out_rows``: their output
+    token rows, ``part_rows``: their partials' rows, ``heads``) and write them: the
+    attention kernel's last program of a query block (``MERGE_LAST``). ``CHUNK`` splits
+    are loaded at once, a running maximum carried between chunks (most rows take one
+    chunk). The partials were written by other programs of the same launch: loaded
+    through L2 (``.cg``), never an SM's L1, which is not coherent within a launch."""
+    dims = tl.arange(0, HEAD_PAD)
+    chunk = tl.arange(0, CHUNK)
+    stat = part_rows * stride_mt + heads * stride_mh  # [ROWS]
+    part = PartAcc + part_rows[:, None] * stride_pt + heads[:, None] * stride_ph + dims[None, :]
+    m_run = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    for first in range(split_lo, split_hi, CHUNK):
+        splits = first + chunk
+        ok = row_ok[:, None] & (splits < split_hi)[None, :]  # [ROWS, CHUNK]
+        m = tl.load(
+            PartMax + stat[:, None] + splits[None, :], mask=ok, other=float("-inf"),
+            cache_modifier=".cg",
+        )  # fmt: skip
+        denom = tl.load(
+            PartSum + stat[:, None] + splits[None, :], mask=ok, other=0.0, cache_modifier=".cg"
+        )
+        part_acc = tl.load(
+            part[:, None, :] + splits[None, :, None] * stride_ps, mask=ok[:, :, None],
+            other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m_run - m_use)
+        weight = tl.exp2(m - m_use[:, None])
+        total = total * rescale + tl.sum(weight * denom, 1)
+        acc = acc * rescale[:, None] + tl.sum(part_acc * weight[:, :, None], 1)
+        m_run = m_new
+    if USE_SINKS:
+        sink = tl.load(Sinks + heads, mask=row_ok, other=float("-inf")) * _LOG2E
+        m_new = tl.maximum(m_run, sink)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m_run - m_use)
+        total = total * rescale + tl.exp2(sink - m_use)
+        acc = acc * rescale[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        Out + out_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & (dims[None, :] < HEAD_SIZE),
+    )
+
+
 # step-dependent scalars of scalar address arithmetic: one compiled variant for all
 @triton.jit(
     do_not_specialize=["num_seqs", "num_splits", "keys_per_split", "stride_mt", "stride_mh"]
@@ -135,7 +198,7 @@ def reduce_splits_kernel(
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
-    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token, ... (DYNAMIC_SPLITS)
+    NumSplits,  # [6] int32: splits, tiles and keys per range, partials' first token, ..., merged (DYNAMIC_SPLITS)
     num_seqs,
     num_heads,
     num_splits,
@@ -159,6 +222,7 @@ def reduce_splits_kernel(
     TRIM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr,
     WAIT_FOR_PRIMARY: tl.constexpr,
+    SKIP_MERGED: tl.constexpr,  # (DYNAMIC_SPLITS) the attention kernel may have merged
 ):
     # a launch over a part of the step: its tokens start at its first request's
     token = tl.program_id(0) + tl.load(QueryStartLoc)
@@ -168,6 +232,12 @@ def reduce_splits_kernel(
     part_row = token
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
+        if SKIP_MERGED:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if tl.load(NumSplits + 5) != 0:
+                # the attention kernel's last program of each block merged this step's
+                # splits (MERGE_LAST; a CUDA-graph launch captures this merge for the
+                # steps it leaves): nothing to wait for
+                return
         keys_per_split = tl.load(NumSplits + 2)
         part_row = token - tl.load(NumSplits + 3)
     if not ORDERED:
