@@ -237,6 +237,15 @@ def _variants() -> list[Variant]:
     for changes in ({}, dict(causal=False), dict(use_sinks=True, logits_soft_cap=30.0)):
         label = "ranges" + "".join(f"-{k}" for k in changes)
         out.append(Variant(label, BASE.replace(**ragged, **changes)))
+    # one-wave split launches that merge in their last program of each block (MERGE_LAST,
+    # no merge kernel), on the H200's SM count: a by-request grid of even shares, and a
+    # list of fixed key ranges with sinks
+    long_decodes = BASE.replace(seq_lens=(32768,) * 4, query_lens=(1,) * 4)
+    out.append(Variant("merge-last-by-request", long_decodes, num_sms=H200_SMS))
+    ragged_decodes = BASE.replace(seq_lens=(1500, 40, 100, 70), query_lens=(1,) * 4)
+    out.append(
+        Variant("merge-last-ranges-sinks", ragged_decodes.replace(use_sinks=True), num_sms=H200_SMS)
+    )
     # past the 64 splits of the default merge's widths: the ordered merge takes any count
     out.append(
         Variant("invariant-65-splits", BASE.replace(seq_lens=(33000, 40)), batch_invariant=True)
@@ -447,6 +456,12 @@ def test_the_matrix_covers_the_rule():
     # the merge's every width: a launch of 64 splits at most whose rows may take fewer
     long = _launches(next(v for v in VARIANTS if v.label == "graph-32k-reservation-d128"))
     assert long[1].kwargs["SPLIT_PAD"] == 64 and long[1].kwargs["MIN_WIDTH"] == REDUCE_MIN_WIDTH
+    # both merges: each one-wave block's last program, and a graph's choice of either
+    for label in ("merge-last-by-request", "merge-last-ranges-sinks"):
+        (attention, _write) = _launches(next(v for v in VARIANTS if v.label == label))
+        assert attention.kwargs["MERGE_LAST"] and not attention.kwargs["DYNAMIC_SPLITS"], label
+    graph = _launches(next(v for v in VARIANTS if v.label == "graph-32k-reservation-d128"))
+    assert graph[0].kwargs["MERGE_LAST"] and graph[1].kwargs["SKIP_MERGED"]
     split = _launches(next(v for v in VARIANTS if v.label == "split2"))
     assert split[0].kwargs["LAUNCH_DEPENDENTS"] == DEPENDENTS_AT_START
     for label in ("mixed-parts-split-chunk", "graph-mixed-parts-split-chunk"):

@@ -518,6 +518,11 @@ def unified_attention_kernel(
             first_row = tl.min(token_row)
             block_counts = SplitCounts + first_row * (NUM_KV_HEADS + 1)
             counter = block_counts + tl.min(head) // GROUP
+            # every thread's stores before what follows: the block's splits (stored by
+            # one thread before the loop, which a program without keys runs no barrier
+            # in) and the partials, which the count releases at GPU scope; the program
+            # that counts the block's last split reads them all (acquire)
+            tl.debug_barrier()
             merge_splits = tl.load(block_counts + NUM_KV_HEADS, cache_modifier=".cg")
             merges = True
             if DYNAMIC_SPLITS:
@@ -527,9 +532,6 @@ def unified_attention_kernel(
                 merges = tl.load(NumSplits + 5) != 0
             done = -1
             if merges:
-                # every thread's partials stored before the count (a release at GPU
-                # scope); the program that counts the block's last split reads them all
-                tl.debug_barrier()
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == merge_splits % _SPLIT_FIELD - 1:
                 tl.store(counter, 0)  # for the next launch (a CUDA graph's replay too)
