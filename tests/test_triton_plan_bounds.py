@@ -135,6 +135,15 @@ def _check_attention(
         assert (cdiv(seq_lens[live], range_keys) <= splits).all(), (
             f"fixed key ranges of {range_keys} keys x {splits} stop short of a request's keys"
         )
+    if kw["MERGE_LAST"]:
+        # one query block per request, whose every row the merging program holds, and a
+        # row of counters for each token the launch's blocks may start at
+        assert split and (kw["RANGE_LIST"] or kw["BLOCK_PER_REQUEST"])
+        assert (query_lens <= block_q).all()
+        group = spec.num_heads // hkv
+        assert kw["MERGE_ROWS"] >= query_lens.max(initial=0) * group, (kw["MERGE_ROWS"], qsl)
+        counts = kw["SplitCounts"]
+        assert counts.shape[1] == hkv + 1 and qsl[-1] <= counts.shape[0], (counts.shape, qsl)
     if kw["RANGE_LIST"]:
         starts = _host(kw["RangeStarts"], n + 1)
         items = np.diff(starts)
@@ -207,8 +216,9 @@ def _check_plan(md: TritonMetadata, spec: AttentionSpec) -> None:
         _check_attention(part.attention, part.plan, spec, num_tokens)
         if part.reduce is not None:
             _check_reduce(part.reduce, part.plan, part.attention)
-        else:
-            assert not part.attention.kwargs["SPLIT"]
+        else:  # unsplit, or each block's last split merges (a static plan's choice)
+            kw = part.attention.kwargs
+            assert not kw["SPLIT"] or (kw["MERGE_LAST"] and not kw["DYNAMIC_SPLITS"])
     assert covered.all(), [(p.first, p.end) for p in md.parts]  # every request launched
 
 
