@@ -516,8 +516,9 @@ def unified_attention_kernel(
             # the block's row of counters (one per KV head, then its splits) is its first
             # token's, found from the rows this program keeps for its stores
             first_row = tl.min(token_row)
+            first_head = tl.min(head)
             block_counts = SplitCounts + first_row * (NUM_KV_HEADS + 1)
-            counter = block_counts + tl.min(head) // GROUP
+            counter = block_counts + first_head // GROUP
             # every thread's stores before what follows: the block's splits (stored by
             # one thread before the loop, which a program without keys runs no barrier
             # in) and the partials, which the count releases at GPU scope; the program
@@ -547,7 +548,7 @@ def unified_attention_kernel(
                     part_rows = out_rows - tl.load(NumSplits + 3)
                 merge_own_splits(
                     Out, PartAcc, PartMax, PartSum, Sinks, out_rows, part_rows,
-                    tl.min(head) + merge_rows % GROUP, merge_ok, split_lo, split_hi,
+                    first_head + merge_rows % GROUP, merge_ok, split_lo, split_hi,
                     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
                     stride_mh, HEAD_SIZE, HEAD_PAD, MERGE_ROWS, MERGE_CHUNK, USE_SINKS,
                 )  # fmt: skip

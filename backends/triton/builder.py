@@ -776,6 +776,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 plan, rows, plan.num_splits, math.prod(grid), form
             )
         split_counts = self._split_counts(max(step_tokens, num_tokens)) if merge_last else unused
+        # a merge kernel follows unless a static plan's blocks merge in their last programs
+        merge_kernel = plan.split and not (merge_last and not plan.dynamic_splits)
         attention = KernelLaunch(
             unified_attention_kernel,
             grid,
@@ -812,11 +814,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 TRIM_SPLITS=plan.trim_splits,
                 RANGE_LIST=range_list is not None,
                 BLOCK_PER_REQUEST=by_request,
-                LAUNCH_DEPENDENTS=(
-                    0
-                    if merge_last and not plan.dynamic_splits
-                    else self._dependents_at(plan, beside)
-                ),
+                LAUNCH_DEPENDENTS=self._dependents_at(plan, beside) if merge_kernel else 0,
                 MERGE_LAST=merge_last,
                 MERGE_ROWS=merge_rows(layer, rows) if merge_last else 1,
                 MERGE_CHUNK=merge_chunk(plan, layer, rows) if merge_last else 1,
@@ -826,7 +824,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             ),
         )
         reduce = None
-        if plan.split and not (merge_last and not plan.dynamic_splits):
+        if merge_kernel:
             # rows merge fewer splits than the most: per step (a CUDA-graph plan), per
             # request (fixed key ranges)
             narrow = plan.trim_splits or plan.dynamic_splits

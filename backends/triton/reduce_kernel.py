@@ -178,11 +178,9 @@ def merge_own_splits(
         rescale = tl.exp2(m_run - m_use)
         total = total * rescale + tl.exp2(sink - m_use)
         acc = acc * rescale[:, None]
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(
-        Out + out_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None] & (dims[None, :] < HEAD_SIZE),
+    # (each row its own token: ``_write_rows``'s token as a column)
+    _write_rows(
+        Out, acc, total, out_rows[:, None], heads, row_ok, dims, stride_ot, stride_oh, HEAD_SIZE
     )
 
 
