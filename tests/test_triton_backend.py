@@ -27,7 +27,7 @@ from pagedkv import (
     UnsupportedError,
 )
 from pagedkv.backends.triton.attention_kernel import fp16_rows
-from pagedkv.backends.triton.builder import TritonMetadataBuilder
+from pagedkv.backends.triton.builder import StepSplits, TritonMetadataBuilder
 from pagedkv.backends.triton.configs import (
     BYTES_IN_FLIGHT_PER_SM,
     MIN_STEP_BYTES,
@@ -274,8 +274,8 @@ def test_a_reserved_decode_step_merges_where_its_splits_take_few_rounds(
     program of each block and captures the merge kernel too: each step's build picks
     one (``_merges_in_attention``: one wave of programs, at most ``MERGE_ROUNDS`` rounds
     of the block's loads; here none, one of 4 splits, or any), written where both
-    kernels read it (NumSplits[5]). Every step attends as an eager step does, its
-    counters back at zero."""
+    kernels read it (``StepSplits.merged``). Every step attends as an eager step does,
+    its counters back at zero."""
     from pagedkv.backends.triton import builder as triton_builder
     from pagedkv.backends.triton import configs as triton_configs
 
@@ -291,7 +291,7 @@ def test_a_reserved_decode_step_merges_where_its_splits_take_few_rounds(
         md = reserved.build(common)
         (part,) = md.parts
         assert part.attention.kwargs["MERGE_LAST"] and part.reduce.kwargs["SKIP_MERGED"]
-        here = bool(part.attention.kwargs["NumSplits"].tolist()[5])
+        here = StepSplits.read(part.attention.kwargs["NumSplits"]).merged
         assert here == (md.step_splits <= rounds * part.attention.kwargs["MERGE_CHUNK"])
         merged.add(here)
         q = torch.randn(3, 4, 32, generator=gen).half().to(DEVICE)
@@ -1063,8 +1063,9 @@ def test_reserved_even_shares_find_each_items_request_by_a_division():
             [2500] * num_reqs, [1] * num_reqs, blocks, 16, DEVICE
         )
         md = builder.build(common)
-        splits, _, _, _, per_request, _ = md.parts[0].attention.kwargs["NumSplits"].tolist()
-        assert not md.step_choice.fixed_ranges and splits > 1 and per_request == splits
+        written = StepSplits.read(md.parts[0].attention.kwargs["NumSplits"])
+        splits = written.num_splits
+        assert not md.step_choice.fixed_ranges and splits > 1 and written.per_request == splits
         n = common.num_tokens
         q = torch.randn(4, 4, 32, generator=gen).half().to(DEVICE)
         out = impl.forward(q, None, None, cache, md)
@@ -1098,7 +1099,7 @@ def test_reserved_decode_steps_choose_their_own_splits():
         # (each block's last split merges them, or the merge kernel a step of more)
         assert md.parts[0].attention.kwargs["MERGE_LAST"]
         assert md.parts[0].reduce.kwargs["SKIP_MERGED"]
-        splits, tiles, keys, partial_first, per_request, _merged = num_splits.tolist()
+        splits, tiles, keys, partial_first, per_request, _merged = StepSplits.read(num_splits)
         assert partial_first == 0  # a pure-decode step's partials: the step's rows
         assert splits == md.step_splits and 1 <= md.step_splits <= plan.num_splits
         choice = md.step_choice  # even shares (0) or fixed key ranges of whole tiles
@@ -1312,9 +1313,9 @@ def test_reserved_mixed_steps_launch_decodes_and_longer_requests_apart():
         assert not longer.attention.kwargs["TRIM_SPLITS"] and not longer.choice.fixed_ranges
         for part, run in ((decodes, decode_run), (longer, longer_run)):
             # each part's split count and its partials' first row: its first token
-            written = part.attention.kwargs["NumSplits"].tolist()
-            assert written[0] == part.choice.num_splits <= part.plan.num_splits
-            assert written[3] == md.common.query_start_loc_cpu[run[0]]
+            written = StepSplits.read(part.attention.kwargs["NumSplits"])
+            assert written.num_splits == part.choice.num_splits <= part.plan.num_splits
+            assert written.partial_first == md.common.query_start_loc_cpu[run[0]]
             choices.add((part.role, part.choice.num_splits))
         kwargs = [p.attention.kwargs for p in md.parts]
         buffers = [k[name] for k in kwargs for name in ("QueryStartLoc", "SeqLens", "BlockTable")]
@@ -1737,7 +1738,7 @@ def test_a_mixed_reservations_chunk_splits_as_on_the_h100(step, chosen, width):
     assert longer.gluon is None and longer.plan.dynamic_splits
     assert (longer.choice.num_splits, longer.plan.num_splits) == (chosen, width)
     assert not longer.choice.fixed_ranges and not longer.attention.kwargs["TRIM_SPLITS"]
-    assert longer.attention.kwargs["NumSplits"].tolist()[0] == chosen
+    assert StepSplits.read(longer.attention.kwargs["NumSplits"]).num_splits == chosen
 
 
 @pytest.mark.parametrize(

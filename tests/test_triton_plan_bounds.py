@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedkv import CommonAttentionMetadata
-from pagedkv.backends.triton.builder import TritonMetadata, TritonMetadataBuilder
+from pagedkv.backends.triton.builder import StepSplits, TritonMetadata, TritonMetadataBuilder
 from pagedkv.backends.triton.configs import TilePlan
 from pagedkv.backends.triton.gluon_plan import gluon_prefill_problem
 from pagedkv.graph import GraphBounds
@@ -122,10 +122,14 @@ def _check_attention(
         assert width <= kw["PartAcc"].shape[2], (width, kw["PartAcc"].shape)
     splits, range_keys = width, kw["tiles_per_split"] * tile_n
     if dynamic:
-        values = _host(kw["NumSplits"], 5)
-        splits, range_keys, partial_first = int(values[0]), int(values[2]), int(values[3])
+        values = StepSplits.read(kw["NumSplits"])
+        splits, range_keys, partial_first = (
+            values.num_splits,
+            values.keys_per_split,
+            values.partial_first,
+        )
         assert 1 <= splits <= width, (values, width)
-        assert values[2] == values[1] * tile_n
+        assert values.keys_per_split == values.tiles_per_split * tile_n
         # the partials' rows hold the launch's tokens
         rows = qsl[[0, -1]] - partial_first
         assert rows[0] >= 0 and rows[1] <= kw["PartAcc"].shape[0], (rows, kw["PartAcc"].shape)
@@ -157,7 +161,9 @@ def _check_attention(
             assert (items[live] == cdiv(seq_lens[live], range_keys)).all()
         else:
             assert (items[live] == splits).all()
-        if dynamic and _host(kw["NumSplits"], 5)[4] > 0:  # owners found by a division
+        if (
+            dynamic and StepSplits.read(kw["NumSplits"]).per_request > 0
+        ):  # owners found by a division
             assert (items[: int(live.sum())] == splits).all() and live[: int(live.sum())].all()
     elif kw["BLOCK_PER_REQUEST"]:
         shape = (hkv, n, width if split else 1)

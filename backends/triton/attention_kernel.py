@@ -39,7 +39,9 @@ builder's ``_merges_in_attention``): no merge kernel follows; each program count
 split on its block's counter once its partials are stored, and the program that counts
 the last merges them all (``reduce_kernel.merge_own_splits``) and writes the output. A
 CUDA-graph launch compiled with it merges so only where the step's build chose it
-(``NumSplits[5]``); otherwise its captured merge kernel does.
+(in the word of ``NumSplits`` that holds the partials' first row, which the program keeps
+anyway: a step that leaves the merge reads nothing more); otherwise its captured merge
+kernel does.
 
 Both decode grids start the KV heads of one request's key range together (the GPU
 starts programs in grid order, the first axis fastest). A page holds every head's rows
@@ -53,7 +55,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from pagedkv.backends.triton.reduce_kernel import merge_own_splits
+from pagedkv.backends.triton.reduce_kernel import (
+    merge_own_splits,
+    merged_in_attention,
+    partials_first_row,
+)
 from pagedkv.toolkit.interpreter import interpreting
 from pagedkv.toolkit.triton_helpers import LOG2E, fix_interpreter_loop_bounds
 
@@ -241,7 +247,7 @@ def unified_attention_kernel(
     QueryStartLoc,  # [num_seqs + 1] int32, absolute token indices
     Sinks,  # [Hq] fp32 logits (USE_SINKS)
     AlibiSlopes,  # [Hq] fp32 (USE_ALIBI)
-    NumSplits,  # [6] int32: splits, tiles and keys per range, partials' first token, items per request or 0, merged here (DYNAMIC_SPLITS)
+    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token x 2 + merged here, items per request or 0 (DYNAMIC_SPLITS; builder.StepSplits)
     RangeStarts,  # [num_seqs + 1] int32: each request's first work item, then the total (RANGE_LIST)
     SplitCounts,  # [T, NUM_KV_HEADS + 1] int32 by a block's first token: counts, zero between launches, then the splits (MERGE_LAST)
     num_seqs,
@@ -360,10 +366,10 @@ def unified_attention_kernel(
         elif not RANGE_LIST:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if split >= num_splits:
                 return
-        partial_first = tl.load(NumSplits + 3)
+        partials_word = tl.load(NumSplits + 3)  # decoded where used (one register)
     else:
         num_splits = tl.num_programs(2)  # (a static range list holds fixed ranges only)
-        partial_first = 0
+        partials_word = 0
 
     if not RANGE_LIST:  # noqa: SIM102 (constexpr tests, one at a time)
         if not BLOCK_PER_REQUEST:
@@ -506,52 +512,48 @@ def unified_attention_kernel(
     if SPLIT:
         # every split writes, even an empty one (m = -inf, l = 0), for the reduction
         # (but those TRIM_SPLITS skips, which the reduction does not read)
-        part_row = token_row - partial_first
+        part_row = token_row - partials_first_row(partials_word)
         part = part_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
         tl.store(PartAcc + part + dims[None, :], acc * v_scale, mask=row_ok[:, None])
         stat = part_row * stride_mt + head * stride_mh + split
         tl.store(PartMax + stat, m_i, mask=row_ok)
         tl.store(PartSum + stat, l_i, mask=row_ok)
         if MERGE_LAST:
-            # the block's row of counters (one per KV head, then its splits) is its first
-            # token's, found from the rows this program keeps for its stores
-            first_row = tl.min(token_row)
-            first_head = tl.min(head)
-            block_counts = SplitCounts + first_row * (NUM_KV_HEADS + 1)
-            counter = block_counts + first_head // GROUP
-            # every thread's stores before what follows: the block's splits (stored by
-            # one thread before the loop, which a program without keys runs no barrier
-            # in) and the partials, which the count releases at GPU scope; the program
-            # that counts the block's last split reads them all (acquire)
-            tl.debug_barrier()
-            merge_splits = tl.load(block_counts + NUM_KV_HEADS, cache_modifier=".cg")
             merges = True
             if DYNAMIC_SPLITS:
                 # a CUDA-graph step merges here or in the merge kernel (the launch's),
-                # as the step's build chose (read here, not kept from the prologue: the
-                # registers above)
-                merges = tl.load(NumSplits + 5) != 0
-            done = -1
+                # as the step's build chose
+                merges = merged_in_attention(partials_word)
             if merges:
+                # the block's row of counters (one per KV head, then its splits) is its
+                # first token's, found from the rows this program keeps for its stores
+                first_row = tl.min(token_row)
+                first_head = tl.min(head)
+                block_counts = SplitCounts + first_row * (NUM_KV_HEADS + 1)
+                counter = block_counts + first_head // GROUP
+                # every thread's stores before what follows: the block's splits (stored
+                # by one thread before the loop, which a program without keys runs no
+                # barrier in) and the partials, which the count releases at GPU scope;
+                # the program that counts the block's last split reads them all (acquire)
+                tl.debug_barrier()
+                merge_splits = tl.load(block_counts + NUM_KV_HEADS, cache_modifier=".cg")
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == merge_splits % _SPLIT_FIELD - 1:
-                tl.store(counter, 0)  # for the next launch (a CUDA graph's replay too)
-                split_lo = merge_splits // _SPLIT_FIELD
-                split_hi = split_lo + merge_splits % _SPLIT_FIELD
-                block_tokens = tl.max(tl.where(row_ok, token_row, first_row)) - first_row + 1
-                merge_rows = tl.arange(0, MERGE_ROWS)
-                merge_token = merge_rows // GROUP
-                merge_ok = (merge_rows < BLOCK_Q * GROUP) & (merge_token < block_tokens)
-                out_rows = first_row + merge_token
-                part_rows = out_rows
-                if DYNAMIC_SPLITS:
-                    part_rows = out_rows - tl.load(NumSplits + 3)
-                merge_own_splits(
-                    Out, PartAcc, PartMax, PartSum, Sinks, out_rows, part_rows,
-                    first_head + merge_rows % GROUP, merge_ok, split_lo, split_hi,
-                    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
-                    stride_mh, HEAD_SIZE, HEAD_PAD, MERGE_ROWS, MERGE_CHUNK, USE_SINKS,
-                )  # fmt: skip
+                if done == merge_splits % _SPLIT_FIELD - 1:
+                    tl.store(counter, 0)  # for the next launch (a CUDA graph's replay too)
+                    split_lo = merge_splits // _SPLIT_FIELD
+                    split_hi = split_lo + merge_splits % _SPLIT_FIELD
+                    block_tokens = tl.max(tl.where(row_ok, token_row, first_row)) - first_row + 1
+                    merge_rows = tl.arange(0, MERGE_ROWS)
+                    merge_token = merge_rows // GROUP
+                    merge_ok = (merge_rows < BLOCK_Q * GROUP) & (merge_token < block_tokens)
+                    out_rows = first_row + merge_token
+                    merge_own_splits(
+                        Out, PartAcc, PartMax, PartSum, Sinks, out_rows,
+                        out_rows - partials_first_row(partials_word),
+                        first_head + merge_rows % GROUP, merge_ok, split_lo, split_hi,
+                        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                        stride_mh, HEAD_SIZE, HEAD_PAD, MERGE_ROWS, MERGE_CHUNK, USE_SINKS,
+                    )  # fmt: skip
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -79,6 +79,39 @@ from pagedkv.toolkit.launch import MAX_GRID_Y, KernelLaunch, programmatic_launch
 from pagedkv.toolkit.split_kv import SplitChoice, num_sms
 
 T = TypeVar("T")
+
+
+class StepSplits(NamedTuple):
+    """One step's ``NumSplits``, the buffer a dynamic-split (CUDA-graph) plan's kernels
+    read: the step's split count, the tiles and keys of a fixed key range (0: even
+    shares), the token row its partials start at, the work items of each request when a
+    listed item finds its request by a division (else 0), and whether the attention
+    kernel merges the splits (MERGE_LAST) rather than the merge kernel."""
+
+    num_splits: int
+    tiles_per_split: int
+    keys_per_split: int
+    partial_first: int
+    per_request: int
+    merged: bool
+
+    def words(self) -> list[int]:
+        """The buffer's int32 words. The partials' first row and the merge choice share
+        one (row x 2 + merged): both kernels load the row anyway, so a step reads
+        nothing more for the choice (a word of its own, read after the keys, took a
+        graph decode of 2 x 8192 from 32.6 to 33.0 us, H100, forty-sixth session); the
+        kernels decode it with ``reduce_kernel.partials_first_row`` and
+        ``merged_in_attention``."""
+        row_and_merge = self.partial_first * 2 + int(self.merged)
+        return [self.num_splits, self.tiles_per_split, self.keys_per_split, row_and_merge,
+                self.per_request]  # fmt: skip
+
+    @classmethod
+    def read(cls, buffer: torch.Tensor) -> StepSplits:
+        """The fields of a ``NumSplits`` buffer (a copy to the host)."""
+        num_splits, tiles, keys, row_and_merge, per_request = buffer.tolist()
+        merged = bool(row_and_merge & 1)
+        return cls(num_splits, tiles, keys, row_and_merge >> 1, per_request, merged)
 
 
 @dataclass(frozen=True)
@@ -460,10 +493,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         max_items: int | None,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, SplitChoice | None]:
         """A mixed reservation's launch ``name`` over ``run``'s ``requests`` this step:
-        its partials (``max_tokens`` rows from the run's first token: NumSplits[3]), the
-        device buffer of the step's splits and the splits (``step_splits``: a launch that
-        lists its work items within ``max_items``, else, None, a grid), or the unused
-        tensors and None for an unsplit plan."""
+        its partials (``max_tokens`` rows from the run's first token, ``StepSplits``'
+        ``partial_first``), the device buffer of the step's splits and the splits
+        (``step_splits``: a launch that lists its work items within ``max_items``, else,
+        None, a grid), or the unused tensors and None for an unsplit plan."""
         unused = self._unused
         if not plan.split:
             return (unused, unused, unused), unused, None
@@ -530,12 +563,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         buffer: str = "num_splits",
     ) -> torch.Tensor:
         """The device buffer the captured kernels of a dynamic-split plan read: this
-        step's split count, the tiles and keys of a fixed range (0: even shares), the
-        token row its partials start at, the work items of each of ``step``'s requests
-        when a list's item can find its request by a division (even shares, the requests
-        without queries after the others), else 0 (a search), and whether the attention
-        kernel merges this step's splits (MERGE_LAST: ``_merges_in_attention``; a
-        launch compiled without it reads none). ``query_rows``: the rows of a query
+        step's ``StepSplits``. A list's item finds its request by a division when the
+        splits are even shares and the requests without queries come after the others;
+        the attention kernel merges when ``_merges_in_attention`` says so (a launch
+        compiled without MERGE_LAST ignores it). ``query_rows``: the rows of a query
         block that may hold tokens; ``listed``: the launch lists its work items."""
         tile_n = plan.tile.tile_n
         tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
@@ -551,9 +582,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         merged = self._merges_in_attention(
             plan, query_rows, chosen.num_splits, programs * self.spec.num_kv_heads, form
         )
-        num_splits = self.scratch(buffer, (6,), torch.int32)
-        values = [chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request, merged]
-        num_splits.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
+        values = StepSplits(
+            chosen.num_splits, tiles, tiles * tile_n, partial_first, per_request, merged
+        )
+        num_splits = self.scratch(buffer, (len(values.words()),), torch.int32)
+        num_splits.copy_(torch.tensor(values.words(), dtype=torch.int32), non_blocking=True)
         return num_splits
 
     def _gluon_candidate(
@@ -765,7 +798,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             grid = (items * s.num_kv_heads, 1, 1)  # an item's heads adjacent (the kernel's)
         # a static plan merges in its attention kernel where ``_merges_in_attention``
         # says so, else launches the merge kernel; a CUDA-graph plan captures both, each
-        # step's choice in NumSplits[5] (``_write_step_splits``), read by both kernels
+        # step's choice in NumSplits (``StepSplits``), read by both kernels
         if merge_last and not plan.dynamic_splits:
             form = (
                 LaunchForm.KEY_RANGES
@@ -866,7 +899,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                     TRIM_SPLITS=plan.trim_splits,
                     CAUSAL=s.causal,
                     WAIT_FOR_PRIMARY=self.programmatic,
-                    # (a CUDA-graph plan's: each step's choice, NumSplits[5])
+                    # (a CUDA-graph plan's: each step's choice, in NumSplits)
                     SKIP_MERGED=merge_last,
                     num_warps=reduce_warps,
                     # Triton's interpreter takes no launch_pdl

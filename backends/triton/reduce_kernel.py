@@ -14,7 +14,7 @@ count changes from step to step within the partials' width), with the token row 
 partials start at.
 
 ``SKIP_MERGED`` (a CUDA-graph launch whose attention kernel may merge, ``MERGE_LAST``):
-a step whose build chose the attention's merge (``NumSplits[5]``) exits at once.
+a step whose build chose the attention's merge (``merged_in_attention``) exits at once.
 ``merge_own_splits`` is that merge: one block's rows, their splits in rounds.
 
 ``TRIM_SPLITS`` (splits of fixed key ranges): a row merges only the ranges below its
@@ -59,6 +59,21 @@ def find_request(QueryStartLoc, token, num_seqs):
         else:
             hi = mid
     return lo
+
+
+@triton.jit
+def partials_first_row(partials_word):
+    """The token row a CUDA-graph step's partials start at, from its word of
+    ``NumSplits`` (``builder.StepSplits``: the row x 2 + whether the attention kernel
+    merges)."""
+    return partials_word >> 1
+
+
+@triton.jit
+def merged_in_attention(partials_word):
+    """Whether the attention kernel merged the CUDA-graph step's splits (MERGE_LAST),
+    from the word that holds its partials' first row (``builder.StepSplits``)."""
+    return (partials_word & 1) != 0
 
 
 @triton.jit
@@ -196,7 +211,7 @@ def reduce_splits_kernel(
     Sinks,  # [Hq] fp32 (USE_SINKS)
     QueryStartLoc,  # [num_seqs + 1] int32
     SeqLens,  # [num_seqs] int32 (TRIM_SPLITS)
-    NumSplits,  # [6] int32: splits, tiles and keys per range, partials' first token, ..., merged (DYNAMIC_SPLITS)
+    NumSplits,  # [5] int32: splits, tiles and keys per range, partials' first token x 2 + merged, ... (DYNAMIC_SPLITS; builder.StepSplits)
     num_seqs,
     num_heads,
     num_splits,
@@ -230,14 +245,15 @@ def reduce_splits_kernel(
     part_row = token
     if DYNAMIC_SPLITS:
         num_splits = tl.load(NumSplits)
+        partials_word = tl.load(NumSplits + 3)
         if SKIP_MERGED:  # noqa: SIM102 (a constexpr test, then a runtime one)
-            if tl.load(NumSplits + 5) != 0:
+            if merged_in_attention(partials_word):
                 # the attention kernel's last program of each block merged this step's
                 # splits (MERGE_LAST; a CUDA-graph launch captures this merge for the
                 # steps it leaves): nothing to wait for
                 return
         keys_per_split = tl.load(NumSplits + 2)
-        part_row = token - tl.load(NumSplits + 3)
+        part_row = token - partials_first_row(partials_word)
     if not ORDERED:
         tl.static_assert(SPLIT_PAD <= 64)  # the widths below (the ordered merge: any count)
         # a program past the heads this row's tile width leaves to the others exits
