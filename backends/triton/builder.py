@@ -334,7 +334,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             stat_max = self.scratch("partial_max", shape, torch.float32)
             stat_sum = self.scratch("partial_sum", shape, torch.float32)
         partials = (acc, stat_max, stat_sum)
-        chosen, num_splits, max_items = None, unused, None
+        chosen, num_splits, max_items, step_items = None, unused, None, None
         if parts[0].plan.dynamic_splits:
             # a CUDA-graph plan: the step's own splits (its requests, not the bounds'),
             # written where the captured kernels read them: the count, and the tiles and
@@ -346,12 +346,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             chosen = step_splits(
                 layer, requests, parts[0].plan, self.num_sms, self.fits, listed, max_items
             )
+            step_items = work_items(requests, chosen) if listed else None
             num_splits = self._write_step_splits(
                 chosen,
                 parts[0].plan,
                 requests,
                 query_rows=min(parts[0].plan.block_q, step.max_query_len),
-                listed=listed,
+                items=step_items,
             )
         whole = len(parts) == 1
         if whole:  # (a CUDA-graph plan's part is planned from the bounds' shape)
@@ -363,7 +364,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             listed = range_list_choice(planned, part.plan) if self.listing else None
             range_list = None
             if listed is not None:
-                items = work_items(requests.part(part.first, part.end), chosen or listed)
+                # (a CUDA-graph plan's one part: the step's items, counted above)
+                items = (
+                    step_items
+                    if whole and step_items is not None
+                    else work_items(requests.part(part.first, part.end), chosen or listed)
+                )
                 range_list = self._range_list(
                     f"range_starts_{part.first}", items, part.plan, max_items
                 )
@@ -436,20 +442,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         max_items = None  # unsplit: one item per request; unlisted: no list to cap
         if self.listing and decode_plan.split:
             max_items = graph_items(layer, decode_plan, max_reqs, self.num_sms)
-        decode_partials, decode_num_splits, decode_choice = self._staged_splits(
+        decode_partials, decode_num_splits, decode_choice, decode_items = self._staged_splits(
             "decodes", common, decode_plan, decode_requests, decode_run, decode_tokens, max_items
         )
         range_list = None
         if self.listing:
             items = np.zeros(max_reqs, np.int64)
             if decode_plan.split:
-                items[: len(decode_requests.query_lens)] = work_items(
-                    decode_requests, decode_choice
-                )
+                items[: len(decode_requests.query_lens)] = decode_items
             else:
                 items[: len(decode_requests.query_lens)] = decode_requests.query_lens > 0
             range_list = self._range_list("decodes_range_starts", items, decode_plan, max_items)
-        longer_partials, longer_num_splits, longer_choice = self._staged_splits(
+        longer_partials, longer_num_splits, longer_choice, _ = self._staged_splits(
             "longer", common, longer_plan, step.part(*longer_run), longer_run,
             bounds.max_num_tokens, None,
         )  # fmt: skip
@@ -491,15 +495,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         run: tuple[int, int],
         max_tokens: int,
         max_items: int | None,
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, SplitChoice | None]:
+    ) -> tuple[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        torch.Tensor,
+        SplitChoice | None,
+        np.ndarray | None,
+    ]:
         """A mixed reservation's launch ``name`` over ``run``'s ``requests`` this step:
         its partials (``max_tokens`` rows from the run's first token, ``StepSplits``'
-        ``partial_first``), the device buffer of the step's splits and the splits
+        ``partial_first``), the device buffer of the step's splits, the splits
         (``step_splits``: a launch that lists its work items within ``max_items``, else,
-        None, a grid), or the unused tensors and None for an unsplit plan."""
+        None, a grid) and, listed, each request's work items; or the unused tensors and
+        None for an unsplit plan."""
         unused = self._unused
         if not plan.split:
-            return (unused, unused, unused), unused, None
+            return (unused, unused, unused), unused, None, None
         shape = (max_tokens, self.spec.num_heads, plan.num_splits)
         partials = (
             self.scratch(f"{name}_partial_acc", (*shape, self.layer.head_pad), torch.float32),
@@ -518,10 +528,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         # (a mixed reservation's decodes: one query each; its longer requests' launch
         # holds blocks of several queries and no MERGE_LAST)
         query_rows = 1 if name == "decodes" else plan.block_q
+        items = work_items(requests, chosen) if listed else None
         num_splits = self._write_step_splits(
-            chosen, plan, requests, query_rows, listed, first_token, buffer=f"{name}_num_splits"
+            chosen, plan, requests, query_rows, items, first_token, buffer=f"{name}_num_splits"
         )
-        return partials, num_splits, chosen
+        return partials, num_splits, chosen, items
 
     def _graph_plan(self, planner: Callable[..., T], shape: StepShape, **options: Hashable) -> T:
         """``planner``'s CUDA-graph plan (``plan_step``, ``plan_tiles``) of ``shape``, the
@@ -558,7 +569,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         plan: TilePlan,
         step: StepShape,
         query_rows: int,
-        listed: bool,
+        items: np.ndarray | None,
         partial_first: int = 0,
         buffer: str = "num_splits",
     ) -> torch.Tensor:
@@ -567,17 +578,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         splits are even shares and the requests without queries come after the others;
         the attention kernel merges when ``_merges_in_attention`` says so (a launch
         compiled without MERGE_LAST ignores it). ``query_rows``: the rows of a query
-        block that may hold tokens; ``listed``: the launch lists its work items."""
+        block that may hold tokens; ``items``: each request's work items where the
+        launch lists them (``work_items``), else None."""
         tile_n = plan.tile.tile_n
         tiles = chosen.keys_per_split // tile_n if chosen.fixed_ranges else 0
         live = step.query_lens > 0
         per_request = 0
         if not chosen.fixed_ranges and live[: int(live.sum())].all():
             per_request = chosen.num_splits
-        if listed:
-            programs = int(work_items(step, chosen).sum())
-        else:
-            programs = int(live.sum()) * chosen.num_splits
+        listed = items is not None
+        programs = int(items.sum()) if listed else int(live.sum()) * chosen.num_splits
         form = LaunchForm.KEY_RANGES if listed or chosen.fixed_ranges else LaunchForm.EVEN_SHARES
         merged = self._merges_in_attention(
             plan, query_rows, chosen.num_splits, programs * self.spec.num_kv_heads, form
